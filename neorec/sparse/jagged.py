@@ -1,0 +1,315 @@
+"""Lengths-based jagged sparse input: ``KeyedJaggedTensor``.
+
+A batch of sparse features is stored as one flat ``values`` tensor of ids, plus ``lengths`` in
+key-major order: ``lengths[k * batch_size + b]`` is how many ids feature ``keys[k]`` has for
+sample ``b``. Optional per-value ``weights`` ride along with ``values``.
+
+    kjt = KeyedJaggedTensor(keys=["user", "item"], values=torch.tensor([3, 1, 4, 1, 5]),
+                            lengths=torch.tensor([1, 1, 2, 1]))   # batch size 2
+    kjt["item"].values   # tensor([4, 1, 5])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class JaggedTensor:
+    """One feature's ids for a batch: ``values`` [N], ``lengths`` [B], ``weights`` [N] or None."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: Optional[torch.Tensor] = None
+
+    def offsets(self) -> torch.Tensor:
+        """[B + 1] start of each sample's ids in ``values``, last entry = N."""
+        return _offsets_from_lengths(self.lengths)
+
+    def to_list(self) -> List[List[int]]:
+        """Per-sample id lists (for debugging and tests)."""
+        out, start = [], 0
+        for n in self.lengths.tolist():
+            out.append(self.values[start : start + n].tolist())
+            start += n
+        return out
+
+
+def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    return offsets
+
+
+class KeyedJaggedTensor:
+    """Sparse features of a batch: keys, flat ids, key-major lengths, optional per-value weights.
+
+    Args:
+        keys: feature names, unique.
+        values: [N] integer ids, all features concatenated key by key.
+        lengths: [len(keys) * batch_size] non-negative counts, key-major.
+        weights: [N] float per-value weights, or None.
+        batch_size: samples per key; inferred from ``lengths`` when omitted (required when
+            there are no keys).
+        validate: check shapes, dtypes and lengths (one pass; on by default).
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        batch_size: Optional[int] = None,
+        validate: bool = True,
+    ) -> None:
+        self._keys: List[str] = list(keys)
+        self._values = values
+        self._lengths = lengths
+        self._weights = weights
+        if batch_size is None:
+            if not self._keys:
+                batch_size = 0
+            else:
+                if lengths.numel() % len(self._keys) != 0:
+                    raise ValueError(
+                        f"KeyedJaggedTensor: lengths has {lengths.numel()} entries, not a multiple "
+                        f"of the {len(self._keys)} keys {self._keys}; lengths are key-major "
+                        f"[num_keys * batch_size]"
+                    )
+                batch_size = lengths.numel() // len(self._keys)
+        self._batch_size = int(batch_size)
+        self._offsets: Optional[torch.Tensor] = None
+        self._length_per_key: Optional[List[int]] = None
+        if validate:
+            self.validate()
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(
+        cls, features: Dict[str, JaggedTensor], batch_size: Optional[int] = None
+    ) -> "KeyedJaggedTensor":
+        """Build from ``{key: JaggedTensor}``; all features must have the same batch size."""
+        keys = list(features)
+        if not keys:
+            return cls.empty(batch_size or 0)
+        sizes = {k: jt.lengths.numel() for k, jt in features.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"KeyedJaggedTensor.from_dict: features differ in batch size: {sizes}")
+        has_weights = [jt.weights is not None for jt in features.values()]
+        if any(has_weights) and not all(has_weights):
+            missing = [k for k, jt in features.items() if jt.weights is None]
+            raise ValueError(f"KeyedJaggedTensor.from_dict: features {missing} lack weights")
+        values = torch.cat([features[k].values for k in keys])
+        lengths = torch.cat([features[k].lengths for k in keys])
+        weights = torch.cat([features[k].weights for k in keys]) if all(has_weights) else None
+        return cls(keys, values, lengths, weights)
+
+    @classmethod
+    def empty(cls, batch_size: int = 0, device: Optional[torch.device] = None) -> "KeyedJaggedTensor":
+        return cls(
+            [],
+            torch.zeros(0, dtype=torch.int64, device=device),
+            torch.zeros(0, dtype=torch.int64, device=device),
+            batch_size=batch_size,
+        )
+
+    # ----------------------------------------------------------------------------- accessors
+    def keys(self) -> List[str]:
+        return list(self._keys)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[N] ids, key-major."""
+        return self._values
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[num_keys * batch_size] ids per (key, sample), key-major."""
+        return self._lengths
+
+    @property
+    def weights(self) -> Optional[torch.Tensor]:
+        """[N] per-value weights, or None."""
+        return self._weights
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def offsets(self) -> torch.Tensor:
+        """[num_keys * batch_size + 1] start of each (key, sample) bag in ``values``."""
+        if self._offsets is None:
+            self._offsets = _offsets_from_lengths(self._lengths)
+        return self._offsets
+
+    def lengths_2d(self) -> torch.Tensor:
+        """[num_keys, batch_size] view of the lengths."""
+        return self._lengths.view(len(self._keys), self._batch_size)
+
+    def length_per_key(self) -> List[int]:
+        """Number of ids each key holds in this batch."""
+        if self._length_per_key is None:
+            if self._keys:
+                self._length_per_key = self.lengths_2d().sum(dim=1).tolist()
+            else:
+                self._length_per_key = []
+        return list(self._length_per_key)
+
+    def offset_per_key(self) -> List[int]:
+        """[num_keys + 1] start of each key's ids in ``values``."""
+        out = [0]
+        for n in self.length_per_key():
+            out.append(out[-1] + n)
+        return out
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        try:
+            k = self._keys.index(key)
+        except ValueError:
+            raise KeyError(f"KeyedJaggedTensor has no key {key!r}; keys are {self._keys}") from None
+        starts = self.offset_per_key()
+        lo, hi = starts[k], starts[k + 1]
+        b = self._batch_size
+        return JaggedTensor(
+            values=self._values[lo:hi],
+            lengths=self._lengths[k * b : (k + 1) * b],
+            weights=None if self._weights is None else self._weights[lo:hi],
+        )
+
+    def to_dict(self) -> Dict[str, JaggedTensor]:
+        """Split per key: ``{key: JaggedTensor}``."""
+        return {k: self[k] for k in self._keys}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyedJaggedTensor(keys={self._keys}, batch_size={self._batch_size}, "
+            f"num_values={self._values.numel()}, weighted={self._weights is not None})"
+        )
+
+    # ----------------------------------------------------------------------------- transforms
+    def permute(self, order: Sequence[int]) -> "KeyedJaggedTensor":
+        """Reorder (or repeat/drop) keys: the result's key ``i`` is this key ``order[i]``."""
+        n = len(self._keys)
+        for i in order:
+            if not 0 <= i < n:
+                raise ValueError(f"KeyedJaggedTensor.permute: index {i} outside 0..{n - 1}")
+        starts = self.offset_per_key()
+        b = self._batch_size
+        values = [self._values[starts[i] : starts[i + 1]] for i in order]
+        lengths = [self._lengths[i * b : (i + 1) * b] for i in order]
+        empty_v = self._values.new_zeros(0)
+        weights = None
+        if self._weights is not None:
+            weights = torch.cat(
+                [self._weights[starts[i] : starts[i + 1]] for i in order]
+                or [self._weights.new_zeros(0)]
+            )
+        return KeyedJaggedTensor(
+            [self._keys[i] for i in order],
+            torch.cat(values) if values else empty_v,
+            torch.cat(lengths) if lengths else self._lengths.new_zeros(0),
+            weights,
+            batch_size=b,
+            validate=False,
+        )
+
+    def select_keys(self, keys: Iterable[str]) -> "KeyedJaggedTensor":
+        """Keep only ``keys``, in the order given."""
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._keys]
+        if missing:
+            raise KeyError(f"KeyedJaggedTensor has no keys {missing}; keys are {self._keys}")
+        return self.permute([self._keys.index(k) for k in keys])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(
+            self._keys,
+            self._values.to(device, non_blocking=non_blocking),
+            self._lengths.to(device, non_blocking=non_blocking),
+            None if self._weights is None else self._weights.to(device, non_blocking=non_blocking),
+            batch_size=self._batch_size,
+            validate=False,
+        )
+
+    def pin_memory(self) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(
+            self._keys,
+            self._values.pin_memory(),
+            self._lengths.pin_memory(),
+            None if self._weights is None else self._weights.pin_memory(),
+            batch_size=self._batch_size,
+            validate=False,
+        )
+
+    @staticmethod
+    def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """Join the keys of several KJTs with the same batch size (keys must not repeat)."""
+        if not kjts:
+            raise ValueError("KeyedJaggedTensor.concat needs at least one KeyedJaggedTensor")
+        sizes = [k.batch_size for k in kjts]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"KeyedJaggedTensor.concat: batch sizes differ: {sizes}")
+        keys = [key for k in kjts for key in k.keys()]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"KeyedJaggedTensor.concat: keys {dup} appear more than once")
+        weighted = [k.weights is not None for k in kjts]
+        if any(weighted) and not all(weighted):
+            raise ValueError("KeyedJaggedTensor.concat: some inputs have weights and some do not")
+        return KeyedJaggedTensor(
+            keys,
+            torch.cat([k.values for k in kjts]),
+            torch.cat([k.lengths for k in kjts]),
+            torch.cat([k.weights for k in kjts]) if all(weighted) else None,
+            batch_size=sizes[0],
+            validate=False,
+        )
+
+    # ----------------------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming what is inconsistent."""
+        if len(set(self._keys)) != len(self._keys):
+            dup = sorted({k for k in self._keys if self._keys.count(k) > 1})
+            raise ValueError(f"KeyedJaggedTensor: duplicate keys {dup}")
+        if self._values.dim() != 1 or self._lengths.dim() != 1:
+            raise ValueError(
+                f"KeyedJaggedTensor: values and lengths must be 1-D, got shapes "
+                f"{tuple(self._values.shape)} and {tuple(self._lengths.shape)}"
+            )
+        if self._values.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"KeyedJaggedTensor: values must be int32/int64 ids, got {self._values.dtype}")
+        if self._lengths.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"KeyedJaggedTensor: lengths must be int32/int64, got {self._lengths.dtype}")
+        expected = len(self._keys) * self._batch_size
+        if self._lengths.numel() != expected:
+            raise ValueError(
+                f"KeyedJaggedTensor: lengths has {self._lengths.numel()} entries, expected "
+                f"num_keys * batch_size = {len(self._keys)} * {self._batch_size} = {expected}"
+            )
+        if self._lengths.numel() and int(self._lengths.min()) < 0:
+            pos = int(torch.nonzero(self._lengths < 0)[0])
+            key = self._keys[pos // self._batch_size]
+            raise ValueError(
+                f"KeyedJaggedTensor: negative length {int(self._lengths[pos])} for key {key!r}, "
+                f"sample {pos % self._batch_size}"
+            )
+        total = int(self._lengths.sum()) if self._lengths.numel() else 0
+        if total != self._values.numel():
+            raise ValueError(
+                f"KeyedJaggedTensor: lengths sum to {total} but there are {self._values.numel()} values"
+            )
+        if self._weights is not None:
+            if self._weights.shape != self._values.shape:
+                raise ValueError(
+                    f"KeyedJaggedTensor: weights shape {tuple(self._weights.shape)} differs from "
+                    f"values shape {tuple(self._values.shape)}"
+                )
+            if not self._weights.is_floating_point():
+                raise TypeError(f"KeyedJaggedTensor: weights must be floating point, got {self._weights.dtype}")
