@@ -1,0 +1,277 @@
+"""Run configuration: dataclasses, TOML loading, ``--set section.key=value`` overrides, validation.
+
+    cfg = load_config("configs/default.toml", overrides=["train.max_steps=100"])
+
+Every TOML table maps to a dataclass below; an unknown key or a value of the wrong type is a
+``ValueError`` that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from neorec.data.config import DataConfig
+from neorec.embedding.config import SparseOptimizerConfig, StorageConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+INTERACTIONS = ("dot", "dcn")
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass
+class ModelConfig:
+    """DLRM shape.
+
+    embedding_dim: width of every embedding table (and of the bottom MLP's output for "dot").
+    dense_layers: bottom MLP layer sizes over the dense features.
+    over_layers: top MLP hidden sizes; a final layer to one logit is added.
+    interaction: "dot" (pairwise dot products) or "dcn" (DCN-v2 cross network).
+    pooling: "sum" or "mean" over each bag of ids.
+    """
+
+    embedding_dim: int = 16
+    dense_layers: List[int] = field(default_factory=lambda: [64, 16])
+    over_layers: List[int] = field(default_factory=lambda: [64, 32])
+    interaction: str = "dot"
+    dcn_num_layers: int = 2
+    dcn_low_rank: int = 0
+    self_interaction: bool = False
+    pooling: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"model.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.embedding_dim <= 0:
+            raise ValueError(f"model.embedding_dim must be > 0, got {self.embedding_dim}")
+        if not self.dense_layers or any(n <= 0 for n in self.dense_layers):
+            raise ValueError(f"model.dense_layers must be a non-empty list of positive sizes, got {self.dense_layers}")
+        if any(n <= 0 for n in self.over_layers):
+            raise ValueError(f"model.over_layers must hold positive sizes, got {self.over_layers}")
+        if self.interaction == "dot" and self.dense_layers[-1] != self.embedding_dim:
+            raise ValueError(
+                f"model.dense_layers must end in model.embedding_dim ({self.embedding_dim}) for the dot "
+                f"interaction, got {self.dense_layers}"
+            )
+
+
+@dataclass
+class EmbeddingConfig:
+    """Sparse side: the optimizer fused into the embedding backward and the weight storage."""
+
+    optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+
+@dataclass
+class DenseOptimizerConfig:
+    """Optimizer of the MLPs: "sgd", "adagrad" or "adam" (torch.optim)."""
+
+    kind: str = "adagrad"
+    learning_rate: float = 0.01
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in DENSE_OPTIMIZERS:
+            raise ValueError(f"dense_optimizer.kind must be one of {DENSE_OPTIMIZERS}, got {self.kind!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"dense_optimizer.learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop.
+
+    epochs: passes over the training data.
+    max_steps: stop after this many steps (0 = no limit).
+    eval_every_steps: evaluate every N steps (0 = only at the end of each epoch).
+    eval_max_batches: cap on eval batches per evaluation (0 = the whole eval set).
+    log_every_steps: write a train record to the metrics log every N steps.
+    output_dir: where metrics.jsonl and the resolved config are written.
+    seed: seeds the model init and the dense RNG (the data has its own seed).
+    device: "cpu", "cuda" or "auto".
+    num_threads: torch intra-op threads (0 = torch's default).
+    progress: show a progress bar.
+    """
+
+    epochs: int = 1
+    max_steps: int = 0
+    eval_every_steps: int = 0
+    eval_max_batches: int = 0
+    log_every_steps: int = 50
+    output_dir: str = "runs/latest"
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"train.device must be one of {DEVICES}, got {self.device!r}")
+        for name in ("epochs", "max_steps", "eval_every_steps", "eval_max_batches", "num_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise ValueError("train.epochs and train.max_steps are both 0: nothing to train")
+        if self.log_every_steps <= 0:
+            raise ValueError(f"train.log_every_steps must be > 0, got {self.log_every_steps}")
+
+
+@dataclass
+class Config:
+    """The whole run; TOML tables [model], [embedding.optimizer], [embedding.storage],
+    [dense_optimizer], [data], [data.synthetic], [data.criteo], [data.movielens], [train]."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# --------------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "").replace("List", "list")
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert one TOML value against a dataclass field type."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {where!r} is a table ([{where}]), got {value!r}")
+        return _build(tp, value, where)
+    if origin in (list, List, Sequence):
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, list):
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                value = [value]  # a scalar where a list is expected means a one-element list
+            else:
+                raise ValueError(f"config key {where!r} must be a list of {_type_name(item_tp)}, got {value!r}")
+        return [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key {where!r} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key {where!r} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key {where!r} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config key {where!r} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, values: Dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ValueError(
+                f"unknown config key {where!r}; allowed under {prefix or 'the top level'}: {', '.join(names)}"
+            )
+        kwargs[key] = _convert(value, hints[key], where)
+    try:
+        return cls(**kwargs)
+    except ValueError:
+        raise
+    except TypeError as exc:  # pragma: no cover - defensive, _convert checks types first
+        raise ValueError(f"config section {prefix or 'top level'}: {exc}") from exc
+
+
+def parse_override(text: str) -> Tuple[List[str], Any]:
+    """``"train.max_steps=100"`` -> (["train", "max_steps"], 100). The value is read as TOML
+    (numbers, booleans, quoted strings, [lists]); anything TOML can't read is taken as a string."""
+    if "=" not in text:
+        raise ValueError(f"--set expects section.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ValueError(f"--set expects section.key=value, got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def config_from_dict(values: Dict[str, Any], overrides: Sequence[str] = ()) -> Config:
+    tree = json.loads(json.dumps(values))  # deep copy of plain data
+    for text in overrides:
+        path, value = parse_override(text)
+        _apply_override(tree, path, value)
+    return _build(Config, tree)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the TOML file (if any), then ``--set`` overrides, in that order."""
+    values: Dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} not found")
+        try:
+            values = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+    try:
+        return config_from_dict(values, overrides)
+    except ValueError as exc:
+        where = f" (in {path})" if path else ""
+        raise ValueError(f"{exc}{where}") from None
+
+
+def iter_config_keys(cls: type = Config, prefix: str = "") -> Iterator[Tuple[str, str, Any]]:
+    """Every leaf key with its type and default, for ``--help``."""
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from iter_config_keys(type(value), key)
+        else:
+            yield key, _type_name(typing.get_type_hints(cls)[f.name]), value
