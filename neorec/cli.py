@@ -1,0 +1,178 @@
+"""The ``neorec`` command line.
+
+    neorec train                                   # default config, built-in synthetic data
+    neorec train --config configs/movielens.toml --set train.epochs=3
+    neorec config --config configs/default.toml    # print the resolved config
+    neorec data write-criteo /tmp/day_0.tsv --lines 100000
+    neorec data preprocess-criteo /tmp/day_0.tsv /tmp/criteo_bin --num-embeddings 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional, Sequence
+
+EXIT_USAGE = 2
+
+
+def _config_keys_help() -> str:
+    from neorec.config import iter_config_keys
+
+    lines = ["config keys (TOML tables / --set section.key=value), with defaults:"]
+    for key, type_name, default in iter_config_keys():
+        lines.append(f"  {key:<36} {type_name:<10} {default!r}")
+    return "\n".join(lines)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE.toml",
+        help="TOML config file (see configs/); its values override the defaults listed below",
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config value, read as TOML (e.g. --set train.max_steps=200 "
+        "--set model.dense_layers=[128,16] --set data.source=movielens); repeatable, "
+        "applied after --config",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neorec",
+        description="neorec: train deep learning recommendation models (DLRM) with fused, "
+        "table-batched embeddings (after Meta's Neo).",
+    )
+    parser.add_argument("--traceback", action="store_true",
+                        help="show the full Python traceback on errors (for bug reports)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train", help="train a DLRM and report eval AUC, NE and QPS",
+        description="Train a DLRM on one process. Without --config it trains the default model on "
+        "built-in synthetic data (no download). Prints progress with loss and QPS, evaluates "
+        "NE / AUC / calibration, and writes OUTPUT_DIR/metrics.jsonl and OUTPUT_DIR/config.json.",
+        epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(train)
+    train.add_argument("--max-steps", type=int, metavar="N",
+                       help="stop after N steps (same as --set train.max_steps=N)")
+    train.add_argument("--output-dir", metavar="DIR",
+                       help="where metrics.jsonl and config.json go (same as --set train.output_dir=...)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
+
+    config = sub.add_parser(
+        "config", help="print the resolved config as JSON (defaults + --config + --set)",
+        epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(config)
+
+    data = sub.add_parser("data", help="data tools: write and preprocess Criteo TSV")
+    data_sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
+    write = data_sub.add_parser(
+        "write-criteo", help="write synthetic click data in the raw Criteo TSV layout",
+        description="Write LINES lines of learnable synthetic data in the raw Criteo TSV layout "
+        "(label, 13 integer columns, 26 hexadecimal categorical columns, empty = missing).",
+    )
+    write.add_argument("path", help="output .tsv file")
+    write.add_argument("--lines", type=int, default=100_000, help="number of lines (default 100000)")
+    write.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    prep = data_sub.add_parser(
+        "preprocess-criteo", help="convert a Criteo TSV into neorec's memory-mapped binary form",
+        description="Stream a raw Criteo TSV file into binary memory-mapped arrays (dense log(1+x), "
+        "categorical ids hashed into NUM_EMBEDDINGS rows). Memory stays bounded whatever the "
+        "file size. A malformed line stops with its line number unless --skip-malformed.",
+    )
+    prep.add_argument("tsv", help="input Criteo TSV file")
+    prep.add_argument("out_dir", help="output directory")
+    prep.add_argument("--num-embeddings", type=int, default=100_000,
+                      help="rows per categorical table; ids are hashed into it (default 100000)")
+    prep.add_argument("--skip-malformed", action="store_true",
+                      help="count and skip malformed lines instead of stopping")
+    return parser
+
+
+def _load(args: argparse.Namespace, extra: Sequence[str] = ()):
+    from neorec.config import load_config
+
+    return load_config(args.config, list(args.overrides) + list(extra))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from neorec.train.trainer import Trainer
+
+    extra: List[str] = []
+    if args.max_steps is not None:
+        extra.append(f"train.max_steps={args.max_steps}")
+    if args.output_dir is not None:
+        extra.append(f"train.output_dir={_toml_string(args.output_dir)}")
+    if args.no_progress:
+        extra.append("train.progress=false")
+    cfg = _load(args, extra)
+    trainer = Trainer(cfg)
+    num_params = sum(t.num_embeddings * t.embedding_dim for t in trainer.source.tables(
+        cfg.model.embedding_dim, cfg.model.pooling))
+    print(f"neorec train: data={cfg.data.source} ({trainer.source.num_train_samples():,} train samples), "
+          f"{len(trainer.source.feature_names)} sparse features, {num_params:,} embedding parameters, "
+          f"optimizer={cfg.embedding.optimizer.kind}, precision={cfg.embedding.storage.precision}, "
+          f"device={trainer.device}", flush=True)
+    result = trainer.fit()
+    m = result.final_eval
+    print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
+          f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
+    print(f"training: {result.steps} steps, {result.samples:,} samples in {result.train_seconds:.1f} s, "
+          f"QPS {result.qps:,.0f} samples/s")
+    if result.metrics_path:
+        print(f"metrics log: {result.metrics_path}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(_load(args).to_json())
+    return 0
+
+
+def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from neorec.data import criteo
+
+    if args.data_command == "write-criteo":
+        criteo.write_criteo_tsv(args.path, num_lines=args.lines, seed=args.seed)
+        print(f"wrote {args.lines:,} lines to {args.path}")
+        return 0
+    if args.data_command == "preprocess-criteo":
+        stats = criteo.preprocess_criteo(
+            args.tsv, args.out_dir, num_embeddings=args.num_embeddings,
+            skip_malformed=args.skip_malformed,
+        )
+        print(f"preprocessed {args.tsv} -> {args.out_dir}: {stats}")
+        return 0
+    parser.parse_args(["data", "--help"])
+    return EXIT_USAGE
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        if args.command == "train":
+            return cmd_train(args)
+        if args.command == "config":
+            return cmd_config(args)
+        return cmd_data(args, parser)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        if args.traceback or os.environ.get("NEOREC_TRACEBACK"):
+            raise
+        print(f"neorec {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"neorec {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

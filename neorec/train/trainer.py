@@ -1,0 +1,251 @@
+"""Single-process DLRM training loop with periodic evaluation and a JSON-lines metrics log.
+
+Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set train.max_steps=100]``
+
+    trainer = Trainer(load_config("configs/tiny.toml"))
+    result = trainer.fit()          # result.final_eval["auc"], result.qps
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional, TextIO
+
+import torch
+from tqdm import tqdm
+
+from neorec.config import Config, DenseOptimizerConfig
+from neorec.data import DataSource, PrefetchLoader, make_data_source
+from neorec.data.batch import Batch
+from neorec.embedding import EmbeddingBagCollection
+from neorec.model import DLRM, dense_parameters
+from neorec.train.metrics import MetricsAccumulator
+
+
+class NonFiniteLossError(ValueError):
+    """The training loss became NaN or infinite; training stops before the update is applied."""
+
+
+@dataclass
+class TrainResult:
+    """What ``Trainer.fit`` returns."""
+
+    steps: int
+    samples: int
+    train_seconds: float
+    qps: float
+    final_eval: Dict[str, float] = field(default_factory=dict)
+    metrics_path: Optional[str] = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
+    """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``."""
+    torch.manual_seed(cfg.train.seed)
+    tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
+    collection = EmbeddingBagCollection(
+        tables,
+        optimizer=cfg.embedding.optimizer,
+        storage=cfg.embedding.storage,
+        device=device,
+        init_seed=cfg.train.seed,
+    )
+    model = DLRM(
+        sparse_arch=collection,
+        num_dense=source.num_dense,
+        embedding_dims=[t.embedding_dim for t in tables for _ in t.feature_names],
+        dense_layers=cfg.model.dense_layers,
+        over_layers=cfg.model.over_layers,
+        interaction=cfg.model.interaction,
+        dcn_num_layers=cfg.model.dcn_num_layers,
+        dcn_low_rank=cfg.model.dcn_low_rank,
+        self_interaction=cfg.model.self_interaction,
+    )
+    return model.to(device)
+
+
+def make_dense_optimizer(cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    params = list(params)
+    if cfg.kind == "sgd":
+        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class MetricsLog:
+    """Append-only JSON-lines file; each record is flushed as it is written."""
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self.path = path
+        self._file: Optional[TextIO] = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w")
+
+    def write(self, record: Dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class Trainer:
+    """Trains ``DLRM`` on one process: forward, BCE loss, backward (the embedding optimizer runs
+    fused inside it), dense optimizer step; evaluates NE / AUC / calibration periodically."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        source: Optional[DataSource] = None,
+        out: TextIO = sys.stdout,
+    ) -> None:
+        self.cfg = cfg
+        self.out = out
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        self.device = resolve_device(cfg.train.device)
+        self.source = source if source is not None else make_data_source(cfg.data)
+        self.model = build_model(cfg, self.source, self.device)
+        self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+        self.step = 0
+        self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
+
+    # ------------------------------------------------------------------------------ one step
+    def train_step(self, batch: Batch) -> float:
+        """One optimisation step; returns the batch loss. Raises NonFiniteLossError before any
+        weight changes if the loss is NaN or infinite."""
+        self.model.train()
+        logits = self.model(batch.dense, batch.sparse)
+        loss = self.loss_fn(logits, batch.labels)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"training loss is {value} at step {self.step}; stopping before the update is applied "
+                f"(lower the learning rates, check the input features for NaN/inf)"
+            )
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.dense_optimizer.step()
+        self.step += 1
+        return value
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
+        """NE, AUC, calibration and log loss over the eval set (or its first ``max_batches``)."""
+        limit = self.cfg.train.eval_max_batches if max_batches is None else max_batches
+        self.model.eval()
+        acc = MetricsAccumulator()
+        for i, batch in enumerate(self.source.eval_batches(self.cfg.data.eval_batch_size)):
+            if limit and i >= limit:
+                break
+            batch = batch.to(self.device)
+            acc.update(self.model(batch.dense, batch.sparse), batch.labels)
+        self.model.train()
+        return acc.compute()
+
+    # ------------------------------------------------------------------------------ loop
+    def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int) -> float:
+        """Evaluate, log and print; returns the seconds it took (not counted as training time)."""
+        t0 = time.perf_counter()
+        metrics = self.evaluate()
+        log.write({"kind": "eval", "step": self.step, "epoch": epoch, **metrics})
+        bar.write(_format_eval(self.step, metrics), file=self.out)
+        return time.perf_counter() - t0
+
+    def fit(self) -> TrainResult:
+        """Train for ``train.epochs`` epochs (or ``train.max_steps`` steps, whichever ends first),
+        then evaluate. Training QPS counts training samples over training wall time (data
+        loading included, evaluation excluded)."""
+        cfg = self.cfg.train
+        log = MetricsLog(self.output_dir / "metrics.jsonl" if self.output_dir else None)
+        if self.output_dir:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.output_dir / "config.json", self.cfg.to_json())
+        steps_per_epoch = math.ceil(self.source.num_train_samples() / self.cfg.data.batch_size)
+        total_steps = steps_per_epoch * cfg.epochs if cfg.epochs else cfg.max_steps
+        if cfg.max_steps:
+            total_steps = min(total_steps, cfg.max_steps)
+        bar = tqdm(total=total_steps, disable=not cfg.progress, file=self.out, unit="step",
+                   dynamic_ncols=True, mininterval=0.5)
+        samples, eval_seconds = 0, 0.0
+        window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
+        start = time.perf_counter()
+        try:
+            epoch, stop = 0, False
+            while not stop and (not cfg.epochs or epoch < cfg.epochs):
+                batches = self.source.train_batches(self.cfg.data.batch_size, epoch=epoch)
+                with PrefetchLoader(batches, depth=self.cfg.data.prefetch_batches) as loader:
+                    for batch in loader:
+                        loss = self.train_step(batch.to(self.device))
+                        samples += batch.batch_size
+                        window["samples"] += batch.batch_size
+                        window["loss"] += loss
+                        window["steps"] += 1
+                        bar.update(1)
+                        stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
+                        if self.step % cfg.log_every_steps == 0 or stop:
+                            self._log_train(log, bar, window, epoch)
+                        if stop:
+                            break
+                        if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0:
+                            eval_seconds += self._eval_and_log(log, bar, epoch)
+                            window["start"] = time.perf_counter()
+                if samples == 0:
+                    raise ValueError("the training data yielded no batches")
+                last_epoch = cfg.epochs and epoch == cfg.epochs - 1
+                if not stop and not cfg.eval_every_steps and not last_epoch:
+                    eval_seconds += self._eval_and_log(log, bar, epoch)
+                    window["start"] = time.perf_counter()
+                epoch += 1
+            train_seconds = time.perf_counter() - start - eval_seconds
+            bar.close()
+            final_eval = self.evaluate()
+            qps = samples / max(train_seconds, 1e-9)
+            log.write({"kind": "final", "step": self.step, "samples": samples,
+                       "train_seconds": train_seconds, "qps": qps, **final_eval})
+        finally:
+            bar.close()
+            log.close()
+        return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
+                           final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
+
+    def _log_train(self, log: MetricsLog, bar: tqdm, window: Dict[str, Any], epoch: int) -> None:
+        now = time.perf_counter()
+        qps = window["samples"] / max(now - window["start"], 1e-9)
+        loss = window["loss"] / max(window["steps"], 1)
+        log.write({"kind": "train", "step": self.step, "epoch": epoch, "loss": loss, "qps": qps})
+        bar.set_postfix(loss=f"{loss:.4f}", qps=f"{qps:,.0f}")
+        window.update(samples=0, loss=0.0, steps=0, start=now)
+
+
+def _format_eval(step: int, m: Dict[str, float]) -> str:
+    return (f"eval @ step {step}: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
+            f"calibration {m['calibration']:.3f}  ({int(m['num_samples'])} samples)")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,83 @@
+"""DotInteraction and DCNInteraction against naive per-sample loops."""
+
+import pytest
+import torch
+
+from neorec.model import DCNInteraction, DotInteraction
+
+
+def naive_dot(dense, sparse, self_interaction):
+    out = []
+    for b in range(dense.shape[0]):
+        vectors = [dense[b]] + [sparse[b, f] for f in range(sparse.shape[1])]
+        pairs = [
+            torch.dot(vectors[i], vectors[j])
+            for i in range(len(vectors))
+            for j in range(i if self_interaction else i + 1, len(vectors))
+        ]
+        out.append(torch.cat([dense[b], torch.stack(pairs) if pairs else dense.new_zeros(0)]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("self_interaction", [False, True])
+@pytest.mark.parametrize("num_features", [0, 1, 4])
+def test_dot_matches_naive_loop(num_features, self_interaction):
+    torch.manual_seed(0)
+    batch, dim = 5, 3
+    dense, sparse = torch.randn(batch, dim), torch.randn(batch, num_features, dim)
+    layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim)
+    out = layer(dense, sparse)
+    n = num_features + 1
+    num_pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
+    assert out.shape == (batch, dim + num_pairs) and layer.output_dim == dim + num_pairs
+    torch.testing.assert_close(out, naive_dot(dense, sparse, self_interaction))
+
+
+def test_dot_index_buffer_moves_with_module_but_is_not_checkpointed():
+    layer = DotInteraction(3)
+    assert "flat_pair_index" in dict(layer.named_buffers())
+    assert layer.state_dict() == {}
+
+
+def test_dot_shape_errors():
+    layer = DotInteraction(2)
+    with pytest.raises(ValueError, match=r"\[B, F, D\]"):
+        layer(torch.randn(4, 3), torch.randn(4, 3, 3))
+    with pytest.raises(ValueError, match="embedding_dim"):
+        layer.output_dim
+
+
+def naive_dcn(layer, x0):
+    out = []
+    for b in range(x0.shape[0]):
+        x = x0[b]
+        for cross in layer.cross:
+            if layer.low_rank:
+                down, up = cross[0], cross[1]
+                weight, bias = up.weight @ down.weight, up.bias  # W = U V^T
+            else:
+                weight, bias = cross.weight, cross.bias
+            x = x0[b] * (weight @ x + bias) + x
+        out.append(x)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("low_rank", [0, 2])
+@pytest.mark.parametrize("num_layers", [0, 1, 3])
+def test_dcn_matches_naive_loop(num_layers, low_rank):
+    torch.manual_seed(1)
+    dense, sparse = torch.randn(4, 3), torch.randn(4, 2, 5)  # flattened: 3 + 10 features
+    layer = DCNInteraction(13, num_layers, low_rank=low_rank)
+    assert layer.output_dim == 13
+    out = layer(dense, sparse)
+    torch.testing.assert_close(out, naive_dcn(layer, torch.cat([dense, sparse.flatten(1)], 1)))
+    torch.testing.assert_close(layer(dense, sparse.flatten(1)), out)  # 2-D sparse input too
+    if low_rank:
+        assert all(c[0].weight.shape == (low_rank, 13) and c[0].bias is None for c in layer.cross)
+
+
+def test_dcn_errors():
+    with pytest.raises(ValueError, match="low_rank"):
+        DCNInteraction(8, 2, low_rank=-1)
+    with pytest.raises(ValueError, match="input_dim=8"):
+        DCNInteraction(8, 1)(torch.randn(2, 3), torch.randn(2, 4))

@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from neorec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+
+def make_kjt(weighted=False):
+    # keys a, b; batch size 3; a: [1,2], [], [3]; b: [4], [5,6,7], []
+    values = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    lengths = torch.tensor([2, 0, 1, 1, 3, 0])
+    weights = torch.arange(7, dtype=torch.float32) / 10 if weighted else None
+    return KeyedJaggedTensor(["a", "b"], values, lengths, weights)
+
+
+def test_offsets_and_split():
+    kjt = make_kjt()
+    assert kjt.batch_size == 3
+    assert kjt.offsets().tolist() == [0, 2, 2, 3, 4, 7, 7]
+    assert kjt.length_per_key() == [3, 4]
+    assert kjt.offset_per_key() == [0, 3, 7]
+    assert kjt["a"].to_list() == [[1, 2], [], [3]]
+    assert kjt["b"].to_list() == [[4], [5, 6, 7], []]
+    assert kjt["b"].offsets().tolist() == [0, 1, 4, 4]
+    assert list(kjt.to_dict()) == ["a", "b"]
+    assert kjt.lengths_2d().tolist() == [[2, 0, 1], [1, 3, 0]]
+
+
+def test_permute_select_keep_weights():
+    kjt = make_kjt(weighted=True)
+    p = kjt.permute([1, 0])
+    assert p.keys() == ["b", "a"]
+    assert p["b"].to_list() == [[4], [5, 6, 7], []]
+    assert p["a"].weights.tolist() == pytest.approx([0.0, 0.1, 0.2])
+    assert p.values.tolist() == [4, 5, 6, 7, 1, 2, 3]
+    s = kjt.select_keys(["b"])
+    assert s.keys() == ["b"] and s.lengths.tolist() == [1, 3, 0]
+    assert s.weights.tolist() == pytest.approx([0.3, 0.4, 0.5, 0.6])
+    with pytest.raises(KeyError, match="no keys"):
+        kjt.select_keys(["zz"])
+
+
+def test_concat_and_from_dict_round_trip():
+    kjt = make_kjt(weighted=True)
+    a, b = kjt.select_keys(["a"]), kjt.select_keys(["b"])
+    c = KeyedJaggedTensor.concat([a, b])
+    assert torch.equal(c.values, kjt.values) and torch.equal(c.lengths, kjt.lengths)
+    assert torch.equal(c.weights, kjt.weights)
+    d = KeyedJaggedTensor.from_dict(kjt.to_dict())
+    assert d.keys() == kjt.keys() and torch.equal(d.values, kjt.values)
+    with pytest.raises(ValueError, match="more than once"):
+        KeyedJaggedTensor.concat([a, a])
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        KeyedJaggedTensor.concat([a, KeyedJaggedTensor(["x"], torch.tensor([1]), torch.tensor([1]))])
+
+
+def test_to_device_keeps_everything():
+    kjt = make_kjt(weighted=True).to("cpu")
+    assert kjt.keys() == ["a", "b"] and kjt.batch_size == 3 and kjt.weights is not None
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="negative length -1 for key 'b', sample 1"):
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 1, 2, -1]))
+    with pytest.raises(ValueError, match="lengths sum to 3 but there are 2 values"):
+        KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="not a multiple"):
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="duplicate keys"):
+        KeyedJaggedTensor(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(TypeError, match="int32/int64"):
+        KeyedJaggedTensor(["a"], torch.tensor([1.0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="weights shape"):
+        KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([2]), torch.ones(3))
+    with pytest.raises(KeyError, match="no key 'c'"):
+        make_kjt()["c"]
+
+
+def test_empty_kjt():
+    kjt = KeyedJaggedTensor.empty(batch_size=4)
+    assert kjt.batch_size == 4 and len(kjt) == 0 and kjt.length_per_key() == []
+
+
+def test_keyed_tensor():
+    kt = KeyedTensor(["x", "y"], [2, 3], torch.arange(10.0).view(2, 5))
+    assert kt["y"].tolist() == [[2.0, 3.0, 4.0], [7.0, 8.0, 9.0]]
+    assert kt.offset_per_key() == [0, 2, 5]
+    with pytest.raises(ValueError):
+        KeyedTensor(["x"], [2], torch.zeros(2, 3))
+    assert isinstance(JaggedTensor(torch.tensor([1]), torch.tensor([1])).offsets(), torch.Tensor)

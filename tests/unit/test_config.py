@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+
+from neorec.config import Config, config_from_dict, iter_config_keys, load_config, parse_override
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(None, ["train.max_steps=7", "data.synthetic.num_embeddings=[5, 6]",
+                             "model.interaction=dcn", "embedding.optimizer.learning_rate=0.5"])
+    assert cfg.train.max_steps == 7
+    assert cfg.data.synthetic.num_embeddings == [5, 6]
+    assert cfg.model.interaction == "dcn"
+    assert cfg.embedding.optimizer.learning_rate == 0.5
+    assert isinstance(cfg.embedding.optimizer.learning_rate, float)
+
+
+def test_parse_override_types():
+    assert parse_override("a.b=1") == (["a", "b"], 1)
+    assert parse_override("a.b=true") == (["a", "b"], True)
+    assert parse_override('a.b="x y"') == (["a", "b"], "x y")
+    assert parse_override("a.b=plain") == (["a", "b"], "plain")
+    with pytest.raises(ValueError, match="section.key=value"):
+        parse_override("novalue")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.nope=1", "unknown config key 'model.nope'"),
+        ("nosection.x=1", "unknown config key 'nosection'"),
+        ("train.max_steps=1.5", "'train.max_steps' must be an integer"),
+        ("train.progress=3", "must be true or false"),
+        ("model.interaction=cross", "model.interaction must be one of"),
+        ("embedding.optimizer.kind=lamb", "sparse optimizer must be one of"),
+        ("embedding.storage.precision=fp8", "precision must be one of"),
+        ("data.source=kaggle", "data.source must be one of"),
+        ("model.dense_layers=[64, 8]", "must end in model.embedding_dim"),
+    ],
+)
+def test_bad_values_are_clear_errors(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[train]\nmax_step = 3\n")
+    with pytest.raises(ValueError, match=r"unknown config key 'train.max_step'.*bad.toml"):
+        load_config(p)
+    with pytest.raises(ValueError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    p.write_text("[train\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(p)
+
+
+def test_every_config_file_validates():
+    files = sorted(CONFIG_DIR.glob("*.toml"))
+    assert len(files) >= 4
+    for path in files:
+        cfg = load_config(path)
+        assert isinstance(cfg, Config), path
+
+
+def test_default_toml_equals_builtin_defaults():
+    assert load_config(CONFIG_DIR / "default.toml").to_dict() == Config().to_dict()
+
+
+def test_config_round_trip_through_dict():
+    cfg = load_config(None, ["train.seed=3"])
+    assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+def test_iter_config_keys_lists_leaves():
+    keys = {k for k, _, _ in iter_config_keys()}
+    assert {"train.max_steps", "data.synthetic.zipf_alpha", "embedding.storage.precision"} <= keys
