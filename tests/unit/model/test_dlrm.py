@@ -1,0 +1,152 @@
+"""DLRM end to end on a per-feature nn.EmbeddingBag sparse arch (see conftest.py)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neorec.model import DLRM, DenseArch, OverArch, dense_named_parameters, dense_parameters
+from neorec.sparse.jagged import KeyedJaggedTensor
+from neorec.sparse.keyed import KeyedTensor
+
+TABLES = {"user": (20, 4), "item": (30, 4), "genre": (5, 4)}
+
+
+def make_model(sparse_arch_factory, tables=TABLES, **kwargs):
+    kwargs.setdefault("dense_layers", [8, 4])
+    kwargs.setdefault("over_layers", [8])
+    dims = {k: d for k, (_, d) in tables.items()}
+    return DLRM(sparse_arch_factory(tables), num_dense=3, embedding_dims=dims, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"self_interaction": True}, {"interaction": "dcn"}, {"interaction": "dcn", "dcn_low_rank": 2}],
+)
+def test_forward_shape(sparse_arch_factory, kjt_factory, kwargs):
+    torch.manual_seed(0)
+    model = make_model(sparse_arch_factory, **kwargs)
+    logits = model(torch.randn(6, 3), kjt_factory(TABLES, 6))
+    assert logits.shape == (6,) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_over_arch_input_width(sparse_arch_factory):
+    dot = make_model(sparse_arch_factory)
+    assert dot.over_arch.mlp[0].in_features == 4 + 4 * 3 // 2  # D + (F+1)F/2 with F=3
+    dcn = make_model(sparse_arch_factory, interaction="dcn")
+    assert dcn.over_arch.mlp[0].in_features == 4 + 3 * 4
+
+
+def test_dot_rejects_mismatched_dims_naming_features(sparse_arch_factory):
+    tables = {"user": (20, 4), "item": (30, 6), "genre": (5, 8)}
+    with pytest.raises(ValueError, match=r"'item': 6.*'genre': 8") as err:
+        make_model(sparse_arch_factory, tables)
+    assert "dense_layers[-1]=4" in str(err.value) and "'user'" not in str(err.value)
+    model = make_model(sparse_arch_factory, tables, interaction="dcn")  # DCN takes any dims
+    assert model.interaction.output_dim == 4 + 18
+
+
+def test_argument_errors(sparse_arch_factory, kjt_factory):
+    with pytest.raises(ValueError, match="allowed"):
+        make_model(sparse_arch_factory, interaction="cat")
+    with pytest.raises(ValueError, match="self_interaction"):
+        make_model(sparse_arch_factory, interaction="dcn", self_interaction=True)
+    with pytest.raises(ValueError, match="layer_sizes is empty"):
+        make_model(sparse_arch_factory, dense_layers=[])
+    model = make_model(sparse_arch_factory)
+    with pytest.raises(ValueError, match=r"dense must be \[B, 3\]"):
+        model(torch.randn(2, 5), kjt_factory(TABLES, 2))
+    with pytest.raises(ValueError, match="expected B=3"):
+        model(torch.randn(3, 3), kjt_factory(TABLES, 2))
+
+
+def test_embedding_dims_forms_and_key_reordering(sparse_arch_factory, kjt_factory):
+    torch.manual_seed(0)
+    arch = sparse_arch_factory(TABLES)
+    dense, kjt = torch.randn(4, 3), kjt_factory(TABLES, 4)
+    outputs = []
+    for dims in ([4, 4, 4], list(zip(TABLES, [4, 4, 4])), dict(zip(TABLES, [4, 4, 4])), arch(kjt)):
+        torch.manual_seed(1)
+        outputs.append(DLRM(arch, 3, dims, [8, 4], [8])(dense, kjt))
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0])
+    # A model that names its features in another order gets the columns in its own order.
+    torch.manual_seed(1)
+    reordered = DLRM(arch, 3, {"genre": 4, "user": 4, "item": 4}, [8, 4], [8])
+    pooled = arch(kjt)
+    expected = torch.cat([pooled["genre"], pooled["user"], pooled["item"]], 1)
+    torch.testing.assert_close(reordered._sparse_values(pooled, 4), expected)
+    with pytest.raises(ValueError, match="returned features"):
+        DLRM(arch, 3, {"user": 4, "item": 4, "age": 4}, [8, 4], [8])(dense, kjt)
+
+
+def test_no_dense_features(sparse_arch_factory, kjt_factory):
+    model = DLRM(sparse_arch_factory(TABLES), 0, [4, 4, 4], [4], [])
+    assert model(torch.zeros(5, 0), kjt_factory(TABLES, 5)).shape == (5,)
+
+
+def test_gradients_reach_dense_params_and_embeddings(sparse_arch_factory, kjt_factory):
+    torch.manual_seed(0)
+    for interaction in ("dot", "dcn"):
+        # Linear over arch: no dead ReLU can zero a sample's gradient.
+        model = make_model(sparse_arch_factory, interaction=interaction, over_layers=[])
+        kjt = kjt_factory(TABLES, 8, max_ids=2)
+        model(torch.randn(8, 3), kjt).sum().backward()
+        for name, p in dense_named_parameters(model):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        for key, bag in model.sparse_arch.bags.items():
+            used = kjt[key].values.unique()
+            grad_rows = bag.weight.grad.abs().sum(1)
+            assert (grad_rows[used] > 0).all(), key
+            unused = torch.ones_like(grad_rows, dtype=torch.bool)
+            unused[used] = False
+            assert (grad_rows[unused] == 0).all(), key
+
+
+def test_dense_parameters_exclude_sparse_arch(sparse_arch_factory):
+    model = make_model(sparse_arch_factory)
+    dense = dense_parameters(model)
+    sparse_ids = {id(p) for p in model.sparse_arch.parameters()}
+    assert dense and not any(id(p) in sparse_ids for p in dense)
+    assert len(dense) + len(sparse_ids) == len(list(model.parameters()))
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # like DistributedDataParallel
+    assert [id(p) for p in dense_parameters(wrapped)] == [id(p) for p in dense]
+    with pytest.raises(ValueError, match="sparse_arch"):
+        dense_parameters(torch.nn.Linear(2, 2))
+
+
+def test_dlrm_init_is_seeded_and_scaled():
+    torch.manual_seed(3)
+    a = DenseArch(300, [500])
+    torch.manual_seed(3)
+    b = DenseArch(300, [500])
+    torch.testing.assert_close(a.mlp[0].weight, b.mlp[0].weight)
+    assert a.mlp[0].weight.std().item() == pytest.approx(math.sqrt(2 / 800), rel=0.02)
+    assert a.mlp[0].bias.std().item() == pytest.approx(math.sqrt(1 / 500), rel=0.15)
+    over = OverArch(16, [8])
+    assert over.mlp[-1].out_features == 1 and isinstance(over.mlp[1], torch.nn.ReLU)
+    assert not isinstance(over.mlp[-1], torch.nn.ReLU)  # logits, no activation at the end
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_trains_on_learnable_problem(sparse_arch_factory, interaction):
+    torch.manual_seed(0)
+    n = 256
+    ids = {k: torch.randint(0, rows, (n,)) for k, (rows, _) in TABLES.items()}
+    score = {k: torch.randn(rows) for k, (rows, _) in TABLES.items()}
+    dense = torch.randn(n, 3)
+    logit = sum(score[k][ids[k]] for k in TABLES) + dense[:, 0]
+    labels = (logit > 0).float()
+    kjt = KeyedJaggedTensor(list(TABLES), torch.cat(list(ids.values())), torch.ones(len(TABLES) * n, dtype=torch.long))
+    model = make_model(sparse_arch_factory, interaction=interaction)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    losses = []
+    for _ in range(80):
+        loss = F.binary_cross_entropy_with_logits(model(dense, kjt), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
