@@ -1,4 +1,7 @@
-"""Configuration of the data sources (plain dataclasses; loaded from the ``[data]`` TOML section)."""
+"""Configuration of the data sources (plain dataclasses; loaded from the ``[data]`` TOML section).
+
+Each dataclass checks its own values in ``__post_init__`` and raises ``ValueError`` naming the key.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +24,11 @@ class SyntheticConfig:
     num_train_samples / num_eval_samples: dataset sizes.
     teacher_dim: width of the hidden teacher's embeddings.
     label_noise: temperature of the teacher's logit (higher = noisier labels).
+    weighted: attach a float32 weight in (0, 1] to every id (the teacher pools with them).
     seed: the dataset is a pure function of this seed.
+    click_rate: the base rate of positive labels the teacher's bias is calibrated to.
+    resample_each_epoch: every epoch draws fresh samples from the same teacher (an endless stream,
+        like production logs); false repeats epoch 0's samples in every epoch.
     """
 
     num_tables: int = 8
@@ -36,6 +43,51 @@ class SyntheticConfig:
     label_noise: float = 1.0
     weighted: bool = False
     seed: int = 1234
+    click_rate: float = 0.3
+    resample_each_epoch: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_embeddings, int):
+            self.num_embeddings = [self.num_embeddings]
+        self.num_embeddings = list(self.num_embeddings)
+        where = "data.synthetic"
+        if self.num_tables < 1:
+            raise ValueError(f"{where}.num_tables must be >= 1, got {self.num_tables}")
+        if len(self.num_embeddings) not in (1, self.num_tables):
+            raise ValueError(
+                f"{where}.num_embeddings must hold one value (for all tables) or num_tables = "
+                f"{self.num_tables} values, got {len(self.num_embeddings)}: {self.num_embeddings}"
+            )
+        bad = [n for n in self.num_embeddings if n < 1]
+        if bad:
+            raise ValueError(f"{where}.num_embeddings must be >= 1, got {self.num_embeddings}")
+        if not self.pooling >= 1.0:
+            raise ValueError(f"{where}.pooling must be >= 1 (mean ids per bag), got {self.pooling}")
+        if self.max_pooling < 1:
+            raise ValueError(f"{where}.max_pooling must be >= 1, got {self.max_pooling}")
+        if not self.zipf_alpha >= 0.0:
+            raise ValueError(f"{where}.zipf_alpha must be >= 0 (0 = uniform), got {self.zipf_alpha}")
+        if self.num_dense < 0:
+            raise ValueError(f"{where}.num_dense must be >= 0, got {self.num_dense}")
+        if self.num_train_samples < 1 or self.num_eval_samples < 0:
+            raise ValueError(
+                f"{where}.num_train_samples must be >= 1 and num_eval_samples >= 0, got "
+                f"{self.num_train_samples} and {self.num_eval_samples}"
+            )
+        if self.teacher_dim < 1:
+            raise ValueError(f"{where}.teacher_dim must be >= 1, got {self.teacher_dim}")
+        if not self.label_noise > 0.0:
+            raise ValueError(f"{where}.label_noise must be > 0, got {self.label_noise}")
+        if not 0.0 < self.click_rate < 1.0:
+            raise ValueError(f"{where}.click_rate must be in (0, 1), got {self.click_rate}")
+        if self.seed < 0:
+            raise ValueError(f"{where}.seed must be >= 0, got {self.seed}")
+
+    def table_sizes(self) -> List[int]:
+        """Rows of each of the num_tables tables."""
+        if len(self.num_embeddings) == 1:
+            return self.num_embeddings * self.num_tables
+        return list(self.num_embeddings)
 
 
 @dataclass
@@ -44,9 +96,14 @@ class CriteoConfig:
 
     train_path / eval_path: raw TSV files (eval_path may be empty: then the last eval_fraction of
         train_path, by line order, is held out).
-    processed_dir: where the binary memory-mapped form is written (defaults beside train_path).
-    num_embeddings: rows per categorical table (ids are hashed into it).
+    processed_dir: where the binary memory-mapped form is written (defaults beside train_path:
+        ``<train_path>.neorec/``); rebuilt when the TSV's size or mtime changes.
+    num_embeddings: rows per categorical table (ids are hashed into it; row 0 = missing value).
     skip_malformed: count and skip malformed lines instead of stopping at the first one.
+    shuffle: shuffle the training rows every epoch (blocks of 256 consecutive rows, seeded by
+        (seed, epoch)); false reads them in file order, as the reference DLRM does.
+    seed: seed of the shuffle.
+    chunk_lines: lines parsed at a time while preprocessing (bounds its memory).
     """
 
     train_path: str = ""
@@ -55,20 +112,51 @@ class CriteoConfig:
     eval_fraction: float = 0.1
     num_embeddings: int = 100_000
     skip_malformed: bool = False
+    shuffle: bool = False
+    seed: int = 0
+    chunk_lines: int = 16384
+
+    def __post_init__(self) -> None:
+        where = "data.criteo"
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"{where}.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.num_embeddings < 2:
+            raise ValueError(
+                f"{where}.num_embeddings must be >= 2 (row 0 holds missing values), got {self.num_embeddings}"
+            )
+        if self.chunk_lines < 1:
+            raise ValueError(f"{where}.chunk_lines must be >= 1, got {self.chunk_lines}")
+        if self.seed < 0:
+            raise ValueError(f"{where}.seed must be >= 0, got {self.seed}")
 
 
 @dataclass
 class MovieLensConfig:
-    """MovieLens-100k as click data (label = rating >= 4), split in time: the last eval_fraction
-    of interactions by timestamp are the eval set."""
+    """MovieLens-100k as click data (label = rating >= min_rating_positive), split in time: the
+    last eval_fraction of interactions by timestamp are the eval set.
+
+    path: directory holding ``<name>.inter``, ``<name>.user`` and ``<name>.item`` (tab-separated,
+        typed headers such as ``user_id:token``).
+    seed: seed of the per-epoch shuffle of the training interactions.
+    """
 
     path: str = "../shared/data/ml-100k"
     eval_fraction: float = 0.2
     min_rating_positive: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"data.movielens.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.seed < 0:
+            raise ValueError(f"data.movielens.seed must be >= 0, got {self.seed}")
 
 
 @dataclass
 class DataConfig:
+    """Which source feeds training, the batch sizes, and how many batches are prepared ahead by a
+    background thread (prefetch_batches; 0 = no background thread)."""
+
     source: str = "synthetic"
     batch_size: int = 512
     eval_batch_size: int = 4096
@@ -82,3 +170,5 @@ class DataConfig:
             raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
         if self.batch_size <= 0 or self.eval_batch_size <= 0:
             raise ValueError("data.batch_size and data.eval_batch_size must be > 0")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
