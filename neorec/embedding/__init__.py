@@ -1,0 +1,13 @@
+"""Embedding tables: configs, the table-batched fused module, the user-facing collection."""
+
+from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.tables import EmbeddingBagCollection
+from neorec.embedding.tbe import TableBatchedEmbeddingBags
+
+__all__ = [
+    "EmbeddingBagCollection",
+    "SparseOptimizerConfig",
+    "StorageConfig",
+    "TableBatchedEmbeddingBags",
+    "TableConfig",
+]

@@ -1,0 +1,303 @@
+"""``TableBatchedEmbeddingBags``: all embedding tables of a device in one flat buffer, looked up by
+one fused op per embedding dim, with the sparse optimizer fused into the backward pass.
+
+Layout (shared with the Triton GPU kernels, keep it fixed): ONE flat 1-D ``weights`` buffer.
+Tables are sorted by ``embedding_dim`` (stable: table order within a dim); each table occupies
+``num_embeddings * embedding_dim`` contiguous row-major elements, so the tables of one dim form a
+"dim group" that is a 2-D [rows_of_group, dim] view. ``table_offsets[t]`` is the element offset of
+table ``t`` (original order), ``table_row_offset_in_group[t]`` its first row inside its group.
+Optimizer state (``momentum1``, ``momentum2``) lives in flat fp32 buffers: per row
+([total_rows], rows numbered in the same layout order) or per element (like ``weights``).
+
+Forward: per dim group, one ``F.embedding_bag(mode="sum")`` over the group view with ids shifted
+by their table's row offset; mean pooling and KJT weights go in through ``per_sample_weights``.
+Output: ``KeyedTensor`` with keys ``feature_names`` (table order, then feature order in a table),
+values [B, sum of dims] fp32.
+
+Backward never builds a dense [rows, dim] gradient nor a per-value [N, dim] one: per group the
+row ids are stable-sorted, each unique row's gradient is pooled straight from the output gradient
+with ``F.embedding_bag`` (the transpose of the forward), in chunks of rows that stay in cache,
+and the optimizer updates exactly those rows in place. Sorted order, no atomics: same bits for
+the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.layout import DimGroup, GroupLookup, build_layout, prepare_lookups
+from neorec.embedding.optimizers import create_state, state_views, update_rows
+from neorec.embedding.precision import Rounder, storage_dtype
+from neorec.sparse.jagged import KeyedJaggedTensor
+from neorec.sparse.keyed import KeyedTensor
+
+_INIT_CHUNK = 1 << 22  # elements generated per uniform_ call at init (bounds the fp32 temp)
+_CACHE_BYTES = 1 << 20  # target size of one chunk of aggregated fp32 row gradients
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Forward pools; backward runs the module's fused gradient + optimizer step.
+
+    ``anchor`` is a scalar leaf that requires grad, so that autograd calls ``backward`` although
+    the weights are buffers; its gradient is None."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, lookups, batch_size):  # type: ignore[override]
+        ctx.module, ctx.lookups = module, lookups
+        return module._pool(lookups, batch_size)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.module._backward(ctx.lookups, grad_output)
+        return None, None, None, None
+
+
+class TableBatchedEmbeddingBags(nn.Module):
+    """All tables in one flat buffer; one fused lookup per dim; optimizer fused into backward.
+
+    Args:
+        tables: the tables (unique names; a feature belongs to one table; several features may
+            share a table).
+        optimizer: sparse optimizer; a copy is kept as ``self.optimizer`` (change
+            ``self.optimizer.learning_rate`` between steps).
+        storage: weight precision (fp32/fp16/bf16) and stochastic rounding.
+        dense_gradient: if True, backward accumulates into ``self.dense_grad`` ([total elements]
+            fp32, allocated on first backward) instead of updating; ``apply_dense_gradients()``
+            then steps. Meant for small tables (data parallel).
+        device: where the buffers live (default CPU).
+        init_seed: seed of the uniform(-sqrt(1/rows), sqrt(1/rows)) init, table by table.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: SparseOptimizerConfig,
+        storage: StorageConfig = StorageConfig(),
+        dense_gradient: bool = False,
+        device: Optional[torch.device | str] = None,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(optimizer, SparseOptimizerConfig):
+            raise TypeError(f"optimizer must be a SparseOptimizerConfig, got {type(optimizer).__name__}")
+        if not isinstance(storage, StorageConfig):
+            raise TypeError(f"storage must be a StorageConfig, got {type(storage).__name__}")
+        self.layout = build_layout(tables)
+        self.tables: List[TableConfig] = list(self.layout.tables)
+        self.optimizer = dataclasses.replace(optimizer)
+        self.storage = dataclasses.replace(storage)
+        self.dense_gradient = bool(dense_gradient)
+        self.feature_names: List[str] = list(self.layout.feature_names)
+        self.feature_dims: List[int] = list(self.layout.feature_dims)
+        self.table_offsets: List[int] = list(self.layout.table_offsets)
+        self.table_dims: List[int] = [t.embedding_dim for t in self.tables]
+        self.table_rows: List[int] = [t.num_embeddings for t in self.tables]
+        self.table_row_offset_in_group: List[int] = list(self.layout.table_row_offset_in_group)
+        self._table_index = {t.name: i for i, t in enumerate(self.tables)}
+        self._rounder = Rounder(storage_dtype(self.storage.precision), self.storage.stochastic_rounding, self.storage.seed)
+
+        weights = torch.empty(self.layout.num_elements, dtype=storage_dtype(self.storage.precision))
+        self._initialize(weights, init_seed)
+        self.register_buffer("weights", weights.to(device))
+        for name, buffer in create_state(self.optimizer, self.layout.num_rows, self.layout.num_elements, device).items():
+            self.register_buffer(name, buffer)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("dense_grad", None, persistent=False)
+        if self._rounder.stochastic:
+            self._rounder.generator(self.weights.device)  # full-size state from the start
+            self.register_buffer("rounding_rng_state", self._rounder.get_state())
+            self.register_state_dict_pre_hook(_save_rounding_state)
+            self.register_load_state_dict_post_hook(_load_rounding_state)
+
+    # ------------------------------------------------------------------------------ layout helpers
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (fused backward passes, or ``apply_dense_gradients`` calls)."""
+        return int(self.step)
+
+    @property
+    def groups(self) -> List[DimGroup]:
+        """The dim groups in layout order (ascending dim)."""
+        return self.layout.groups
+
+    def group_weights(self, group: DimGroup) -> torch.Tensor:
+        """[group.num_rows, group.dim] view of the weights of one dim group."""
+        return self.weights[group.element_start : group.element_end].view(group.num_rows, group.dim)
+
+    def _group_states(self, group: DimGroup) -> Dict[str, torch.Tensor]:
+        buffers = {name: getattr(self, name) for name in ("momentum1", "momentum2") if hasattr(self, name)}
+        return state_views(self.optimizer.kind, buffers, group.row_start, group.num_rows, group.element_start, group.dim)
+
+    def _table(self, name: str) -> int:
+        if name not in self._table_index:
+            raise ValueError(f"no table named {name!r}; tables are {list(self._table_index)}")
+        return self._table_index[name]
+
+    def _initialize(self, weights: torch.Tensor, seed: int) -> None:
+        generator = torch.Generator().manual_seed(int(seed))
+        for table, offset in zip(self.tables, self.table_offsets):
+            bound = (1.0 / table.num_embeddings) ** 0.5
+            end = offset + table.num_embeddings * table.embedding_dim
+            for start in range(offset, end, _INIT_CHUNK):
+                block = torch.empty(min(_INIT_CHUNK, end - start), dtype=torch.float32)
+                weights[start : start + block.numel()] = block.uniform_(-bound, bound, generator=generator)
+
+    def get_table_weight(self, name: str) -> torch.Tensor:
+        """fp32 copy [num_embeddings, embedding_dim] of table ``name``."""
+        t = self._table(name)
+        rows, dim = self.table_rows[t], self.table_dims[t]
+        flat = self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim]
+        return flat.view(rows, dim).to(torch.float32, copy=True)
+
+    def set_table_weight(self, name: str, weight: torch.Tensor) -> None:
+        """Overwrite table ``name`` with ``weight`` [num_embeddings, embedding_dim] (rounded to
+        nearest when the storage is fp16/bf16)."""
+        t = self._table(name)
+        rows, dim = self.table_rows[t], self.table_dims[t]
+        if tuple(weight.shape) != (rows, dim):
+            raise ValueError(f"set_table_weight({name!r}): expected shape {(rows, dim)}, got {tuple(weight.shape)}")
+        with torch.no_grad():
+            self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim].copy_(weight.reshape(-1))
+
+    def get_optimizer_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...}."""
+        t = self._table(name)
+        group = self.layout.groups[self.layout.table_group[t]]
+        views = self._group_states(group)
+        lo = self.table_row_offset_in_group[t]
+        return {k: v[lo : lo + self.table_rows[t]].clone() for k, v in views.items()}
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool every feature of ``self.feature_names`` from ``features`` (keys may be a superset
+        or a permutation). Returns values [B, sum(feature_dims)] fp32."""
+        lookups = prepare_lookups(self.layout, features, self.weights.device)
+        batch_size = features.batch_size
+        if torch.is_grad_enabled():
+            anchor = torch.zeros((), device=self.weights.device, requires_grad=True)
+            values = _FusedLookup.apply(anchor, self, lookups, batch_size)
+        else:
+            values = self._pool(lookups, batch_size)
+        return KeyedTensor(self.feature_names, self.feature_dims, values)
+
+    def _pool(self, lookups: List[GroupLookup], batch_size: int) -> torch.Tensor:
+        """[B, total_dim] fp32 pooled embeddings, features in ``feature_names`` order."""
+        out = None
+        for lookup in lookups:
+            group = self.layout.groups[lookup.group]
+            weights = self.group_weights(group)
+            if weights.dtype == torch.float32:
+                indices, table = lookup.rows, weights
+            else:
+                # Pool in fp32: F.embedding_bag on half weights rounds its output (and the
+                # per-sample weights) to half. Gather the unique rows once, upcast, pool those.
+                lookup.sort()
+                indices, table = lookup.inverse(), weights.index_select(0, lookup.unique).float()
+            pooled = F.embedding_bag(
+                indices, table, lookup.offsets, mode="sum",
+                per_sample_weights=lookup.weights, include_last_offset=True,
+            )  # [F_g * B, dim], key-major bags
+            pooled = pooled.view(group.num_features, batch_size, group.dim)
+            if group.covers_output(self.layout.total_dim):
+                return pooled.transpose(0, 1).reshape(batch_size, self.layout.total_dim)
+            if out is None:
+                out = torch.empty(batch_size, self.layout.total_dim, device=pooled.device)
+            for first, last, column in group.runs:
+                width = (last - first) * group.dim
+                out[:, column : column + width].view(batch_size, last - first, group.dim).copy_(
+                    pooled[first:last].transpose(0, 1)
+                )
+        if out is None:
+            out = torch.zeros(batch_size, self.layout.total_dim, device=self.weights.device)
+        return out
+
+    # ------------------------------------------------------------------------------ backward
+    def _chunk_rows(self, dim: int) -> int:
+        return max(64, _CACHE_BYTES // (4 * dim))
+
+    def _group_grad(self, group: DimGroup, grad_output: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """[B * F_g, dim] output gradient of one group, row ``b * F_g + f``."""
+        if group.covers_output(self.layout.total_dim):
+            return grad_output.contiguous().view(batch_size * group.num_features, group.dim)
+        grad = grad_output.new_empty(batch_size, group.num_features, group.dim)
+        for first, last, column in group.runs:
+            width = (last - first) * group.dim
+            grad[:, first:last].copy_(grad_output[:, column : column + width].view(batch_size, last - first, group.dim))
+        return grad.view(batch_size * group.num_features, group.dim)
+
+    @torch.no_grad()
+    def _backward(self, lookups: List[GroupLookup], grad_output: torch.Tensor) -> None:
+        """Aggregate per unique row and update (or accumulate into ``dense_grad``)."""
+        grad_output = grad_output.to(torch.float32)
+        batch_size = grad_output.shape[0]
+        if self.dense_gradient:
+            if self.dense_grad is None:
+                self.dense_grad = torch.zeros(self.layout.num_elements, device=self.weights.device)
+        else:
+            self.step += 1
+        step = int(self.step)
+        for lookup in lookups:
+            if lookup.num_values == 0:
+                continue
+            group = self.layout.groups[lookup.group]
+            grad = self._group_grad(group, grad_output, batch_size)
+            lookup.sort()
+            bags = lookup.batch_major_bags(batch_size)[lookup.permutation]  # [N] sorted by row
+            weights = None if lookup.weights is None else lookup.weights[lookup.permutation]
+            starts = lookup.segment_starts
+            chunk = self._chunk_rows(group.dim)
+            num_unique = lookup.unique.numel()
+            value_bounds = starts[::chunk].tolist() + [lookup.num_values]
+            for index, first in enumerate(range(0, num_unique, chunk)):
+                last = min(first + chunk, num_unique)
+                lo, hi = value_bounds[index], value_bounds[index + 1]
+                row_grad = F.embedding_bag(
+                    bags[lo:hi], grad, starts[first:last] - lo, mode="sum",
+                    per_sample_weights=None if weights is None else weights[lo:hi],
+                )  # [last - first, dim]
+                self._consume(group, lookup.unique[first:last], row_grad, step)
+
+    def _consume(self, group: DimGroup, rows: torch.Tensor, row_grad: torch.Tensor, step: int) -> None:
+        if self.dense_gradient:
+            view = self.dense_grad[group.element_start : group.element_end].view(group.num_rows, group.dim)
+            view.index_add_(0, rows, row_grad)
+        else:
+            update_rows(self.optimizer, self.group_weights(group), self._group_states(group), rows, row_grad, step, self._rounder)
+
+    @torch.no_grad()
+    def apply_dense_gradients(self) -> None:
+        """Dense-gradient mode: one optimizer step on every row with a non-zero accumulated
+        gradient (same arithmetic as the fused mode), then zero ``dense_grad``."""
+        if not self.dense_gradient:
+            raise ValueError("apply_dense_gradients() needs dense_gradient=True; this module updates in backward")
+        if self.dense_grad is None:
+            return
+        self.step += 1
+        step = int(self.step)
+        for group in self.layout.groups:
+            view = self.dense_grad[group.element_start : group.element_end].view(group.num_rows, group.dim)
+            rows = view.ne(0).any(dim=1).nonzero().squeeze(1)
+            chunk = self._chunk_rows(group.dim)
+            for first in range(0, rows.numel(), chunk):
+                chunk_rows = rows[first : first + chunk]
+                update_rows(self.optimizer, self.group_weights(group), self._group_states(group),
+                            chunk_rows, view.index_select(0, chunk_rows), step, self._rounder)
+        self.dense_grad.zero_()
+
+    def extra_repr(self) -> str:
+        dims = ", ".join(f"{g.dim}: {g.num_tables} tables/{g.num_rows} rows" for g in self.layout.groups)
+        return f"tables={len(self.tables)}, dims={{{dims}}}, optimizer={self.optimizer.kind}, precision={self.storage.precision}"
+
+
+def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_vars: bool) -> None:
+    module.rounding_rng_state = module._rounder.get_state().to(module.weights.device)
+
+
+def _load_rounding_state(module: TableBatchedEmbeddingBags, incompatible_keys) -> None:
+    module._rounder.set_state(module.rounding_rng_state)
