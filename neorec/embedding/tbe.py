@@ -99,6 +99,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.table_dims: List[int] = [t.embedding_dim for t in self.tables]
         self.table_rows: List[int] = [t.num_embeddings for t in self.tables]
         self.table_row_offset_in_group: List[int] = list(self.layout.table_row_offset_in_group)
+        # first row of each table among all rows (index into row-wise state such as momentum1)
+        self.table_row_offsets: List[int] = [
+            self.layout.groups[g].row_start + r for g, r in zip(self.layout.table_group, self.table_row_offset_in_group)
+        ]
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
         self._rounder = Rounder(storage_dtype(self.storage.precision), self.storage.stochastic_rounding, self.storage.seed)
 

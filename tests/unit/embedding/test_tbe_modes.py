@@ -1,0 +1,204 @@
+"""TableBatchedEmbeddingBags: determinism, dense-gradient mode, layout, errors, state, memory.
+
+    python -m pytest tests/unit/embedding/test_tbe_modes.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import neorec.embedding.tbe as tbe_module
+from neorec.embedding import (
+    EmbeddingBagCollection,
+    SparseOptimizerConfig,
+    StorageConfig,
+    TableBatchedEmbeddingBags,
+    TableConfig,
+)
+from neorec.sparse import KeyedJaggedTensor
+
+from test_tbe_reference import KINDS, make_batch, make_tables
+
+
+def train(kind: str, precision: str, dense_gradient: bool = False, steps: int = 3, seed: int = 0):
+    tables = make_tables("mixed")
+    config = SparseOptimizerConfig(kind, learning_rate=0.05, weight_decay=0.01)
+    fused = TableBatchedEmbeddingBags(tables, config, StorageConfig(precision, seed=5), dense_gradient=dense_gradient)
+    generator = torch.Generator().manual_seed(seed)
+    outputs = []
+    for _ in range(steps):
+        kjt = make_batch(tables, 8, generator, weighted=True)
+        grad = torch.randn(8, sum(fused.feature_dims), generator=generator)
+        out = fused(kjt).values
+        outputs.append(out.detach().clone())
+        out.backward(grad)
+        if dense_gradient:
+            fused.apply_dense_gradients()
+    return fused, outputs
+
+
+def assert_same_bits(a: TableBatchedEmbeddingBags, b: TableBatchedEmbeddingBags) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_two_identical_runs_give_identical_bits(kind, precision, monkeypatch):
+    monkeypatch.setattr(tbe_module, "_CACHE_BYTES", 100)
+    first, out1 = train(kind, precision)
+    second, out2 = train(kind, precision)
+    assert_same_bits(first, second)
+    assert all(torch.equal(x, y) for x, y in zip(out1, out2))
+    assert first.step_count == 3
+    untrained = TableBatchedEmbeddingBags(make_tables("mixed"), SparseOptimizerConfig(kind))
+    assert not torch.equal(first.weights.float(), untrained.weights.float())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dense_gradient_mode_equals_fused_mode(kind, precision, monkeypatch):
+    monkeypatch.setattr(tbe_module, "_CACHE_BYTES", 100)
+    fused, out_fused = train(kind, precision)
+    dense, out_dense = train(kind, precision, dense_gradient=True)
+    assert all(torch.equal(x, y) for x, y in zip(out_fused, out_dense))
+    assert dense.dense_grad is not None and not dense.dense_grad.any()
+    state_fused, state_dense = fused.state_dict(), dense.state_dict()
+    for key in state_fused:
+        assert torch.equal(state_fused[key], state_dense[key]), key
+
+
+def test_dense_gradient_mode_accumulates_until_applied():
+    tables = [TableConfig("t", 6, 2)]
+    dense = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd", learning_rate=1.0), dense_gradient=True)
+    before = dense.get_table_weight("t")
+    kjt = KeyedJaggedTensor(["t"], torch.tensor([4, 4, 1]), torch.tensor([2, 1]))
+    for _ in range(2):
+        dense(kjt).values.sum().backward()
+    assert torch.equal(dense.get_table_weight("t"), before) and dense.step_count == 0
+    grad = dense.dense_grad.view(6, 2)
+    assert torch.equal(grad[4], torch.full((2,), 4.0)) and torch.equal(grad[1], torch.full((2,), 2.0))
+    dense.apply_dense_gradients()
+    after = dense.get_table_weight("t")
+    torch.testing.assert_close(after[4], before[4] - 4.0)
+    torch.testing.assert_close(after[1], before[1] - 2.0)
+    assert torch.equal(after[[0, 2, 3, 5]], before[[0, 2, 3, 5]]) and dense.step_count == 1
+    with pytest.raises(ValueError, match="dense_gradient=True"):
+        TableBatchedEmbeddingBags(tables, SparseOptimizerConfig()).apply_dense_gradients()
+
+
+def test_layout_is_sorted_by_dim_and_contiguous_per_group():
+    fused = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig(), StorageConfig("fp16"))
+    # tables: t8a (13x8), t4 (7x4), t16 (29x16), t8b (5x8) -> storage order t4, t8a, t8b, t16
+    assert fused.table_dims == [8, 4, 16, 8] and fused.table_rows == [13, 7, 29, 5]
+    assert fused.table_offsets == [28, 0, 28 + 104 + 40, 28 + 104]
+    assert fused.table_row_offset_in_group == [0, 0, 0, 13]
+    assert fused.table_row_offsets == [7, 0, 25, 20]
+    assert fused.weights.dtype == torch.float16 and fused.weights.shape == (28 + 104 + 40 + 29 * 16,)
+    assert fused.momentum1.shape == (7 + 13 + 5 + 29,)
+    group8 = fused.groups[1]
+    assert (group8.dim, group8.num_rows, group8.element_start) == (8, 18, 28)
+    view = fused.group_weights(group8)
+    assert torch.equal(view[13:].float(), fused.get_table_weight("t8b"))
+    new = torch.randn(5, 8)
+    fused.set_table_weight("t8b", new)
+    assert torch.equal(fused.get_table_weight("t8b"), new.half().float())
+    first = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig(), init_seed=1)
+    again = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig(), init_seed=1)
+    assert torch.equal(first.weights, again.weights)
+    bound = (1 / 29) ** 0.5
+    t16 = first.get_table_weight("t16")
+    assert t16.abs().max() <= bound and t16.std() > bound / 3
+
+
+def test_out_of_range_and_negative_ids_are_rejected():
+    fused = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig())
+    keys = ["f_a1", "f_a2", "f_b", "f_c", "f_d"]
+    lengths = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0, 1, 0])
+    good = torch.tensor([12, 12, 6, 28, 4])
+    for position, bad_id, feature, table, rows in [(3, 29, "f_c", "t16", 29), (4, -1, "f_d", "t8b", 5), (0, 13, "f_a1", "t8a", 13)]:
+        values = good.clone()
+        values[position] = bad_id
+        with pytest.raises(ValueError) as info:
+            fused(KeyedJaggedTensor(keys, values, lengths))
+        message = str(info.value)
+        assert f"'{feature}'" in message and f"'{table}'" in message and str(bad_id) in message
+        assert f"[0, {rows})" in message
+    fused(KeyedJaggedTensor(keys, good, lengths))  # the boundary ids are fine
+
+
+def test_missing_feature_and_bad_tables_are_rejected():
+    fused = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig())
+    kjt = KeyedJaggedTensor(["f_a1", "f_b"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="lacks features.*f_a2.*expected"):
+        fused(kjt)
+    with pytest.raises(TypeError, match="KeyedJaggedTensor"):
+        fused(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="appears more than once"):
+        EmbeddingBagCollection([TableConfig("a", 3, 2), TableConfig("a", 4, 2)])
+    with pytest.raises(ValueError, match="also in table 'a'"):
+        EmbeddingBagCollection([TableConfig("a", 3, 2, ["x"]), TableConfig("b", 4, 2, ["x"])])
+    with pytest.raises(TypeError, match="list of TableConfig"):
+        EmbeddingBagCollection(TableConfig("a", 3, 2))
+    with pytest.raises(ValueError, match="no table named"):
+        fused.get_table_weight("nope")
+
+
+def test_collection_exposes_features_and_matches_its_tbe():
+    tables = make_tables("mixed")
+    collection = EmbeddingBagCollection(tables, SparseOptimizerConfig("adagrad"), init_seed=4)
+    assert collection.feature_names == ["f_a1", "f_a2", "f_b", "f_c", "f_d"]
+    assert collection.embedding_dims == [8, 8, 4, 16, 8]
+    assert collection.tables == tables and collection.total_dim == 44
+    kjt = make_batch(tables, 5, torch.Generator().manual_seed(1), weighted=False)
+    out = collection(kjt)
+    assert torch.equal(out.values, collection.tbe(kjt).values)
+    assert set(collection.state_dict()) == {"tbe.weights", "tbe.momentum1", "tbe.step"}
+
+
+def test_state_dict_round_trip_resumes_bit_for_bit():
+    first, _ = train("rowwise_adagrad", "bf16", steps=2)
+    copy = TableBatchedEmbeddingBags(make_tables("mixed"), SparseOptimizerConfig("rowwise_adagrad", 0.05, weight_decay=0.01),
+                                     StorageConfig("bf16", seed=99))
+    copy.load_state_dict(first.state_dict())
+    assert copy.step_count == 2
+    kjt = make_batch(make_tables("mixed"), 8, torch.Generator().manual_seed(9), weighted=True)
+    for module in (first, copy):
+        module(kjt).values.sum().backward()
+    assert_same_bits(first, copy)
+
+
+class _LargeAllocationWatch(TorchDispatchMode):
+    """Records every op output with at least ``limit`` elements that is not a view of ``allowed``."""
+
+    def __init__(self, limit, allowed):
+        super().__init__()
+        self.limit, self.allowed, self.seen = limit, {t.untyped_storage().data_ptr() for t in allowed}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in self.allowed:
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("kind,precision", [("rowwise_adagrad", "fp32"), ("adam", "bf16")])
+def test_backward_allocates_nothing_of_table_size(kind, precision):
+    rows, dim = 200_000, 16
+    tables = [TableConfig("big", rows, dim, ["u", "v"], pooling="mean"), TableConfig("small", 10, 4)]
+    fused = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(kind), StorageConfig(precision))
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 20, (3 * 256,), generator=generator)
+    values = torch.cat([torch.randint(0, n, (int(lengths[i * 256 : (i + 1) * 256].sum()),), generator=generator)
+                        for i, n in enumerate([rows, rows, 10])])
+    out = fused(KeyedJaggedTensor(["u", "v", "small"], values, lengths)).values
+    before = fused.get_table_weight("big")
+    with _LargeAllocationWatch(rows * dim // 8, list(fused.buffers())) as watch:
+        out.sum().backward()
+    assert watch.seen == []
+    assert not torch.equal(before, fused.get_table_weight("big"))
