@@ -37,7 +37,8 @@ class TableBatchedLayout:
     table_dims: [T] int32 columns of each table (storage order).
     table_rows: [T] int64 rows of each table.
     table_offsets: [T] int64 first element of each table in the flat weight buffer.
-    table_row_offsets: [T + 1] int64 first row of each table in row-indexed state; last = total_rows.
+    table_row_offsets: [T] int64 first row of each table in row-indexed state (rows numbered in
+        storage order, i.e. by ascending ``table_offsets``).
     feature_table: [F] int32 table looked up by each feature.
     feature_pooling_mean: [F] int32, 1 where the feature's pooling is "mean", 0 for "sum".
     output_col_offsets: [F] int64 first output column of each feature.
@@ -69,9 +70,12 @@ class TableBatchedLayout:
     ) -> "TableBatchedLayout":
         """Checks and packs the metadata (Python sequences, host side).
 
-        ``table_offsets`` defaults to the packed layout (cumulative ``rows * dim`` in table order);
-        ``output_col_offsets`` defaults to features side by side in feature order. Given offsets
-        must keep tables disjoint and make the features' column ranges tile ``[0, total_cols)``.
+        Tables may be listed in any order; ``table_offsets`` (element offsets, e.g.
+        ``TableBatchedEmbeddingBags.table_offsets``) say where each one is stored and default to
+        the packed layout in list order (cumulative ``rows * dim``). Row-wise state numbers rows in
+        storage order. ``output_col_offsets`` defaults to features side by side in feature order.
+        Given offsets must keep tables disjoint and make the features' column ranges tile
+        ``[0, total_cols)``.
         """
         dims, rows = [int(d) for d in table_dims], [int(r) for r in table_rows]
         features, means = [int(t) for t in feature_table], [bool(m) for m in feature_pooling_mean]
@@ -118,7 +122,9 @@ class TableBatchedLayout:
                     f"features' column ranges must tile [0, {total_cols}) without gaps or overlap"
                 )
             position += width
-        row_offsets = [sum(rows[:t]) for t in range(len(rows) + 1)]
+        row_offsets, next_row = [0] * len(rows), 0
+        for t in sorted(range(len(rows)), key=lambda t: starts[t]):
+            row_offsets[t], next_row = next_row, next_row + rows[t]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
@@ -135,7 +141,7 @@ class TableBatchedLayout:
             num_features=len(features),
             max_dim=max(dims, default=0),
             total_cols=total_cols,
-            total_rows=row_offsets[-1],
+            total_rows=next_row,
             total_elements=total_elements,
         )
 

@@ -21,8 +21,7 @@ not bit for bit.
 
 from __future__ import annotations
 
-import bisect
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,7 +77,8 @@ def reference_backward_update(
     """Applies one fused optimizer step to the rows touched by the batch, in place."""
     check_optimizer_kind(kind)
     check_batch(layout, weights, indices, bag_offsets, batch_size, per_value_weights)
-    grads: Dict[int, torch.Tensor] = {}
+    grads: Dict[int, torch.Tensor] = {}  # global row -> gradient
+    places: Dict[int, Tuple[int, int]] = {}  # global row -> (table, row in table)
     offsets = bag_offsets.tolist()
     for feature in range(layout.num_features):
         table = int(layout.feature_table[feature])
@@ -93,13 +93,12 @@ def reference_backward_update(
                 if mean:
                     scale /= end - start
                 row = int(layout.table_row_offsets[table]) + int(indices[position])
+                places[row] = (table, int(indices[position]))
                 contribution = scale * grad_output[sample, col : col + dim].float()
                 grads[row] = grads[row] + contribution if row in grads else contribution
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    row_offsets = layout.table_row_offsets.tolist()
     for global_row in sorted(grads):
-        table = bisect.bisect_right(row_offsets, global_row) - 1
-        local_row = global_row - row_offsets[table]
+        table, local_row = places[global_row]
         dim = int(layout.table_dims[table])
         start = int(layout.table_offsets[table]) + local_row * dim
         old = weights[start : start + dim].float()

@@ -260,6 +260,7 @@ def build_row_segments(
     value_sample = value_bag - value_feature * batch_size
     value_table = layout.feature_table[value_feature].long()
     global_rows = layout.table_row_offsets[value_table] + ids
+    weight_offsets = layout.table_offsets[value_table] + ids * layout.table_dims[value_table]
     grad_offsets = value_sample * layout.total_cols + layout.output_col_offsets[value_feature]
     if per_value_weights is None:
         scales = torch.ones(num_values, dtype=torch.float32, device=device)
@@ -271,13 +272,11 @@ def build_row_segments(
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     segment_starts = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, dim=0, out=segment_starts[1:])
-    row_table = torch.searchsorted(layout.table_row_offsets, unique_rows, right=True) - 1
-    local_rows = unique_rows - layout.table_row_offsets[row_table]
-    row_dims = layout.table_dims[row_table]
+    first_values = order[segment_starts[:-1]]  # any value of the row gives its table
     return RowSegments(
         segment_starts=segment_starts,
-        row_weight_offsets=layout.table_offsets[row_table] + local_rows * row_dims,
-        row_dims=row_dims,
+        row_weight_offsets=weight_offsets[first_values],
+        row_dims=layout.table_dims[value_table[first_values]],
         row_state_index=unique_rows,
         sorted_grad_offsets=grad_offsets[order].contiguous(),
         sorted_scales=scales[order].contiguous(),
