@@ -12,8 +12,8 @@ and the data do not depend on the batch size. Per sample:
 
 - dense features ~ N(0, 1), float32;
 - per table, a bag of ``1 + Poisson(pooling - 1)`` ids (capped at max_pooling); the id of rank r
-  is drawn with probability ~ 1 / r^zipf_alpha, then ranks are mapped to ids by a fixed seeded
-  affine permutation (id = (a * rank + b) mod rows) so the hot ids are spread over the table;
+  is drawn with probability ~ 1 / r^zipf_alpha (``ZipfSampler``), then ranks are mapped to ids by
+  a fixed seeded affine permutation (id = (a * rank + b) mod rows) so hot ids spread over the table;
 - optional per-id weights in (0, 1];
 - label ~ Bernoulli(sigmoid(logit)), the teacher's log-odds
 
@@ -92,19 +92,43 @@ class SampleBlock:
         )
 
 
-def zipf_ranks(uniform: np.ndarray, num_rows: int, alpha: float) -> np.ndarray:
-    """Map uniforms in [0, 1) to ranks in [0, num_rows) with P(rank r) ~ 1 / (r + 1)^alpha
-    (inverse CDF of the continuous power law on [1, num_rows + 1))."""
-    n = float(num_rows)
-    if alpha == 0.0:
-        x = uniform * n
-    elif abs(alpha - 1.0) < 1e-9:
-        x = np.exp(uniform * math.log(n + 1.0)) - 1.0
-    else:
-        one_minus = 1.0 - alpha
-        top = (n + 1.0) ** one_minus - 1.0
-        x = (1.0 + uniform * top) ** (1.0 / one_minus) - 1.0
-    return np.clip(x.astype(np.int64), 0, num_rows - 1)
+class ZipfSampler:
+    """Ranks in [0, num_rows) with P(rank r) proportional to 1 / (r + 1)^alpha.
+
+    The first ``head`` ranks are drawn exactly (a cumulative table); the rest by inverting the
+    continuous power law over [head + 0.5, num_rows + 0.5) (midpoint rule: relative error
+    O(1 / r^2) there), so memory stays small for tables of any size.
+    """
+
+    def __init__(self, num_rows: int, alpha: float, head: int = 4096) -> None:
+        self.num_rows, self.alpha = int(num_rows), float(alpha)
+        self.head = min(self.num_rows, head)
+        self._cumulative = np.cumsum(np.arange(1, self.head + 1, dtype=np.float64) ** -self.alpha)
+        self._head_mass = float(self._cumulative[-1])
+        self._tail_start = self._integral(self.head + 0.5)
+        self._tail_mass = self._integral(self.num_rows + 0.5) - self._tail_start if self.num_rows > self.head else 0.0
+        self._total = self._head_mass + self._tail_mass
+
+    def _integral(self, x: float) -> float:
+        if abs(self.alpha - 1.0) < 1e-12:
+            return math.log(x)
+        return x ** (1.0 - self.alpha) / (1.0 - self.alpha)
+
+    def sample(self, uniform: np.ndarray) -> np.ndarray:
+        """Map uniforms in [0, 1) to ranks (int64)."""
+        if self.alpha == 0.0:
+            return np.minimum((uniform * self.num_rows).astype(np.int64), self.num_rows - 1)
+        mass = uniform * self._total
+        ranks = np.searchsorted(self._cumulative, mass, side="right").astype(np.int64)
+        in_tail = mass >= self._head_mass
+        if in_tail.any():
+            level = self._tail_start + (mass[in_tail] - self._head_mass)
+            if abs(self.alpha - 1.0) < 1e-12:
+                x = np.exp(level)
+            else:
+                x = (level * (1.0 - self.alpha)) ** (1.0 / (1.0 - self.alpha))
+            ranks[in_tail] = np.floor(x + 0.5).astype(np.int64) - 1
+        return np.clip(ranks, 0, self.num_rows - 1)
 
 
 class Teacher:
@@ -202,6 +226,8 @@ class SyntheticSource:
         self.feature_names = [f"feature_{t}" for t in range(cfg.num_tables)]
         self.table_sizes = cfg.table_sizes()
         self._permutations = [_affine_permutation(cfg.seed, t, n) for t, n in enumerate(self.table_sizes)]
+        samplers = {n: ZipfSampler(n, cfg.zipf_alpha) for n in set(self.table_sizes)}
+        self._samplers = [samplers[n] for n in self.table_sizes]
         self.teacher = Teacher(cfg)
         calibration = [self._generate(SPLIT_CALIBRATION, 0, c) for c in range(2)]
         self.teacher.calibrate(SampleBlock.concat(calibration))
@@ -279,7 +305,7 @@ class SyntheticSource:
             else:
                 lens = np.minimum(1 + rng.poisson(cfg.pooling - 1.0, num), cfg.max_pooling).astype(np.int64)
             count = int(lens.sum())
-            ranks = zipf_ranks(rng.random(count), rows, cfg.zipf_alpha)
+            ranks = self._samplers[t].sample(rng.random(count))
             scale, shift = self._permutations[t]
             lengths.append(lens)
             values.append((ranks * scale + shift) % rows)
