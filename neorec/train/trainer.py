@@ -66,7 +66,7 @@ def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
     model = DLRM(
         sparse_arch=collection,
         num_dense=source.num_dense,
-        embedding_dims=[t.embedding_dim for t in tables for _ in t.feature_names],
+        embedding_dims={f: t.embedding_dim for t in tables for f in t.feature_names},
         dense_layers=cfg.model.dense_layers,
         over_layers=cfg.model.over_layers,
         interaction=cfg.model.interaction,
@@ -98,7 +98,9 @@ class MetricsLog:
 
     def write(self, record: Dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in record.items()}  # NaN (an undefined metric) -> null: strict JSON
+            self._file.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
