@@ -114,7 +114,7 @@ class CriteoConfig:
     skip_malformed: bool = False
     shuffle: bool = False
     seed: int = 0
-    chunk_lines: int = 16384
+    chunk_lines: int = 2048
 
     def __post_init__(self) -> None:
         where = "data.criteo"

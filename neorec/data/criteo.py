@@ -1,0 +1,292 @@
+"""Criteo click logs: a streaming preprocessor from the raw TSV layout to memory-mapped binary
+arrays, and a source that batches from the memory maps.
+
+    neorec data write-criteo /tmp/day_0.tsv --lines 100000
+    neorec data preprocess-criteo /tmp/day_0.tsv /tmp/criteo_bin --num-embeddings 100000
+
+    from neorec.data.criteo import write_criteo_tsv, preprocess_criteo, CriteoSource
+
+Raw layout: see ``neorec.data.criteo_tsv`` (label, 13 integer, 26 hexadecimal columns).
+
+Processed layout (a directory; see ``preprocess_criteo``): ``dense.f32`` [N, 13] float32 =
+log(1 + max(x, 0)) with missing = 0; ``categorical.i32`` (or ``.i64``) [N, 26] = a stable hash of
+each hex value into [1, num_embeddings), missing = 0; ``labels.u8`` [N]; ``meta.json`` with the
+counts, the format version and the source file's size and mtime (a changed TSV is reprocessed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Iterator, List
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.config import CriteoConfig
+from neorec.data.criteo_tsv import (NUM_CATEGORICAL, NUM_COLUMNS, NUM_INTEGER, categorical_id,
+                                    parse_chunk, write_criteo_tsv)
+from neorec.data.source import EpochOrder, batch_ranges, check_batch_args, one_table_per_feature
+from neorec.embedding.config import TableConfig
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+__all__ = ["CriteoSource", "CriteoArrays", "PreprocessStats", "preprocess_criteo", "load_or_preprocess",
+           "open_processed", "cache_is_fresh", "write_criteo_tsv", "categorical_id", "NUM_COLUMNS"]
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SHUFFLE_BLOCK_ROWS = 256
+DEFAULT_CHUNK_LINES = 2048
+
+
+# ------------------------------------------------------------------------------- preprocessing
+@dataclass
+class PreprocessStats:
+    """What ``preprocess_criteo`` did."""
+
+    num_lines: int = 0
+    num_rows: int = 0
+    num_skipped: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    lines_per_second: float = 0.0
+    skipped_examples: List[str] = field(default_factory=list)
+
+
+def preprocess_criteo(
+    tsv_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    num_embeddings: int,
+    skip_malformed: bool = False,
+    chunk_lines: int = DEFAULT_CHUNK_LINES,
+) -> PreprocessStats:
+    """Stream a raw Criteo TSV into the processed layout in ``out_dir`` (see the module docstring).
+
+    Reads ``chunk_lines`` lines at a time, so memory stays bounded whatever the file size. A
+    malformed line raises ``ValueError("<file>:<line>: <reason>")`` or, with ``skip_malformed``, is
+    counted and left out. Files are written under temporary names and renamed when complete;
+    ``meta.json`` is written last, so a crash never leaves a cache that looks valid.
+    """
+    if num_embeddings < 2:
+        raise ValueError(f"num_embeddings must be >= 2 (row 0 holds missing values), got {num_embeddings}")
+    if chunk_lines < 1:
+        raise ValueError(f"chunk_lines must be >= 1, got {chunk_lines}")
+    tsv_path, out_dir = Path(tsv_path), Path(out_dir)
+    if not tsv_path.is_file():
+        raise FileNotFoundError(f"Criteo TSV file not found: {tsv_path}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stat = tsv_path.stat()
+    cat_dtype = np.int32 if num_embeddings <= 2**31 - 1 else np.int64
+    names = _data_files(cat_dtype)
+    tmp = {k: out_dir / f".{name}.tmp-{os.getpid()}" for k, name in names.items()}
+    stats = PreprocessStats()
+    start = time.perf_counter()
+    files = {k: open(p, "wb") for k, p in tmp.items()}
+    try:
+        with open(tsv_path, "rb") as f:
+            while True:
+                lines = list(islice(f, chunk_lines))
+                if not lines:
+                    break
+                buf = b"".join(lines)
+                del lines
+                parsed = parse_chunk(buf, stats.num_lines + 1, num_embeddings)
+                stats.num_lines += buf.count(b"\n") + (0 if buf.endswith(b"\n") else 1)
+                stats.num_bytes += len(buf)
+                del buf
+                if parsed.errors:
+                    line, reason = parsed.errors[0]
+                    if not skip_malformed:
+                        raise ValueError(f"{tsv_path}:{line}: {reason} (malformed Criteo line; "
+                                         f"set skip_malformed to count and skip such lines)")
+                    stats.num_skipped += len(parsed.errors)
+                    room = 5 - len(stats.skipped_examples)
+                    stats.skipped_examples += [f"line {n}: {r}" for n, r in parsed.errors[:room]]
+                parsed.dense.tofile(files["dense"])
+                parsed.categorical.astype(cat_dtype).tofile(files["categorical"])
+                parsed.labels.tofile(files["labels"])
+                stats.num_rows += parsed.labels.size
+        for fh in files.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        stats.seconds = time.perf_counter() - start
+        stats.lines_per_second = stats.num_lines / max(stats.seconds, 1e-9)
+        (out_dir / META_FILE).unlink(missing_ok=True)
+        for k, name in names.items():
+            os.replace(tmp[k], out_dir / name)
+        meta = {
+            "format": "neorec-criteo", "version": FORMAT_VERSION, "num_rows": stats.num_rows,
+            "num_dense": NUM_INTEGER, "num_categorical": NUM_CATEGORICAL,
+            "num_embeddings": num_embeddings, "categorical_dtype": np.dtype(cat_dtype).name,
+            "files": names, "skip_malformed": skip_malformed,
+            "source": {"path": str(tsv_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+            "stats": asdict(stats),
+        }
+        _write_json_atomic(out_dir / META_FILE, meta)
+    finally:
+        for fh in files.values():
+            fh.close()
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
+    return stats
+
+
+def _data_files(cat_dtype) -> dict:
+    suffix = "i32" if np.dtype(cat_dtype) == np.int32 else "i64"
+    return {"dense": "dense.f32", "categorical": f"categorical.{suffix}", "labels": "labels.u8"}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # pragma: no cover - directories cannot be fsynced on some systems
+        pass
+
+
+@dataclass
+class CriteoArrays:
+    """Memory maps of a processed directory: dense [N, 13], categorical [N, 26], labels [N]."""
+
+    dense: np.ndarray
+    categorical: np.ndarray
+    labels: np.ndarray
+    meta: dict
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.meta["num_rows"])
+
+
+def cache_is_fresh(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_embeddings: int,
+                   skip_malformed: bool = False) -> bool:
+    """Whether ``out_dir`` holds a complete processed copy of the current ``tsv_path``."""
+    tsv_path, out_dir = Path(tsv_path), Path(out_dir)
+    try:
+        meta = json.loads((out_dir / META_FILE).read_text())
+        stat = tsv_path.stat()
+        n = int(meta["num_rows"])
+        sizes = {"dense": 4 * NUM_INTEGER * n, "labels": n,
+                 "categorical": np.dtype(meta["categorical_dtype"]).itemsize * NUM_CATEGORICAL * n}
+        return (
+            meta.get("format") == "neorec-criteo" and meta.get("version") == FORMAT_VERSION
+            and meta["num_embeddings"] == num_embeddings
+            and meta["source"]["size"] == stat.st_size and meta["source"]["mtime_ns"] == stat.st_mtime_ns
+            and (skip_malformed or meta["stats"]["num_skipped"] == 0)
+            and all((out_dir / meta["files"][k]).stat().st_size == sizes[k] for k in sizes)
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def open_processed(out_dir: str | os.PathLike) -> CriteoArrays:
+    """Memory-map a directory written by ``preprocess_criteo`` (read-only)."""
+    out_dir = Path(out_dir)
+    meta = json.loads((out_dir / META_FILE).read_text())
+    n, files = int(meta["num_rows"]), meta["files"]
+
+    def load(key: str, dtype, shape) -> np.ndarray:
+        if n == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(out_dir / files[key], dtype=dtype, mode="r", shape=shape)
+
+    return CriteoArrays(load("dense", np.float32, (n, NUM_INTEGER)),
+                        load("categorical", np.dtype(meta["categorical_dtype"]), (n, NUM_CATEGORICAL)),
+                        load("labels", np.uint8, (n,)), meta)
+
+
+def load_or_preprocess(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_embeddings: int,
+                       skip_malformed: bool = False, chunk_lines: int = DEFAULT_CHUNK_LINES) -> CriteoArrays:
+    """The processed arrays of ``tsv_path``, (re)building ``out_dir`` when missing or stale."""
+    if not cache_is_fresh(tsv_path, out_dir, num_embeddings, skip_malformed):
+        preprocess_criteo(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
+    return open_processed(out_dir)
+
+
+# ------------------------------------------------------------------------------- source
+class CriteoSource:
+    """Batches of processed Criteo data: 13 dense features, 26 one-id bags ``cat_0..cat_25``."""
+
+    name = "criteo"
+
+    def __init__(self, cfg: CriteoConfig) -> None:
+        if not cfg.train_path:
+            raise ValueError("data.criteo.train_path is empty: set it to a raw Criteo TSV file "
+                             f"(label, {NUM_INTEGER} integer and {NUM_CATEGORICAL} hexadecimal columns)")
+        self.cfg = cfg
+        self.num_dense = NUM_INTEGER
+        self.feature_names = [f"cat_{i}" for i in range(NUM_CATEGORICAL)]
+        processed = Path(cfg.processed_dir or f"{cfg.train_path}.neorec")
+        args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines)
+        self._train = load_or_preprocess(cfg.train_path, processed / "train", *args)
+        if cfg.eval_path:
+            self._eval = load_or_preprocess(cfg.eval_path, processed / "eval", *args)
+            self._train_rows = (0, self._train.num_rows)
+            self._eval_rows = (0, self._eval.num_rows)
+        else:
+            self._eval = self._train
+            n = self._train.num_rows
+            num_eval = int(round(n * cfg.eval_fraction))
+            self._train_rows, self._eval_rows = (0, n - num_eval), (n - num_eval, n)
+        if self.num_train_samples() == 0:
+            raise ValueError(f"Criteo data {cfg.train_path} has no training rows")
+
+    def tables(self, embedding_dim: int, pooling: str = "sum") -> List[TableConfig]:
+        return one_table_per_feature(self.feature_names, [self.cfg.num_embeddings] * NUM_CATEGORICAL,
+                                     embedding_dim, pooling)
+
+    def num_train_samples(self) -> int:
+        return self._train_rows[1] - self._train_rows[0]
+
+    def num_eval_samples(self) -> int:
+        return self._eval_rows[1] - self._eval_rows[0]
+
+    def train_batches(self, batch_size: int, epoch: int = 0, start_batch: int = 0) -> Iterator[Batch]:
+        check_batch_args(batch_size, epoch, start_batch)
+        order = EpochOrder(self.num_train_samples(), self.cfg.shuffle, self.cfg.seed, epoch, SHUFFLE_BLOCK_ROWS)
+        yield from self._batches(self._train, self._train_rows[0], order, batch_size, start_batch)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        check_batch_args(batch_size)
+        order = EpochOrder(self.num_eval_samples(), False, 0, 0)
+        yield from self._batches(self._eval, self._eval_rows[0], order, batch_size, 0)
+
+    def _batches(self, arrays: CriteoArrays, first_row: int, order: EpochOrder, batch_size: int,
+                 start_batch: int) -> Iterator[Batch]:
+        for start, stop in batch_ranges(order.num_rows, batch_size, start_batch):
+            rows = order.rows(start, stop)
+            if isinstance(rows, slice):
+                rows = slice(rows.start + first_row, rows.stop + first_row)
+            else:
+                rows = rows + first_row
+            yield self.make_batch(arrays.dense[rows], arrays.categorical[rows], arrays.labels[rows])
+
+    def make_batch(self, dense: np.ndarray, categorical: np.ndarray, labels: np.ndarray) -> Batch:
+        """Batch from dense [B, 13], categorical [B, 26] rows and labels [B] (copied)."""
+        num = labels.shape[0]
+        sparse = KeyedJaggedTensor(
+            self.feature_names,
+            torch.from_numpy(np.ascontiguousarray(categorical.T, dtype=np.int64).reshape(-1)),
+            torch.ones(NUM_CATEGORICAL * num, dtype=torch.int64),
+            batch_size=num,
+            validate=False,
+        )
+        return Batch(torch.from_numpy(np.array(dense, dtype=np.float32)), sparse,
+                     torch.from_numpy(np.asarray(labels, dtype=np.float32)))
+
+
