@@ -28,17 +28,28 @@ forward_signature = dict(
     batch_size="i32", total_cols="i32", HAS_WEIGHTS="constexpr", BLOCK_L="constexpr", BLOCK_D="constexpr")
 triton.compile(ASTSource(k._pooled_forward_kernel, forward_signature,
                          constexprs=dict(HAS_WEIGHTS=True, BLOCK_L=16, BLOCK_D=128)), target=target)
-for weight_type, optimizer, stochastic in (("bf16", 1, True), ("fp16", 2, True), ("fp32", 0, False)):
+for weight_type, optimizer, stochastic, partials in (
+    ("bf16", 1, True, True), ("fp16", 2, True, False), ("fp32", 0, False, False)
+):
     signature = dict(
-        weights_ptr="*" + weight_type, state_ptr="*fp32", grad_output_ptr="*fp32", segment_starts_ptr="*i64",
+        weights_ptr="*" + weight_type, state_ptr="*fp32", grad_output_ptr="*fp32",
+        value_starts_ptr="*i64", value_ends_ptr="*i64", partial_starts_ptr="*i64", partial_ends_ptr="*i64",
+        partials_ptr="*fp32", partial_stride="i32",
         row_weight_offsets_ptr="*i64", row_dims_ptr="*i32", row_state_index_ptr="*i64",
         sorted_grad_offsets_ptr="*i64", sorted_scales_ptr="*fp32", learning_rate="fp32", eps="fp32",
         weight_decay="fp32", seed="i64", OPTIMIZER="constexpr", BF16="constexpr", STOCHASTIC="constexpr",
-        BLOCK_L="constexpr", BLOCK_D="constexpr")
-    constants = dict(OPTIMIZER=optimizer, BF16=weight_type == "bf16", STOCHASTIC=stochastic, BLOCK_L=8, BLOCK_D=128)
+        HAS_PARTIALS="constexpr", BLOCK_L="constexpr", BLOCK_D="constexpr")
+    constants = dict(OPTIMIZER=optimizer, BF16=weight_type == "bf16", STOCHASTIC=stochastic,
+                     HAS_PARTIALS=partials, BLOCK_L=8, BLOCK_D=128)
     compiled = triton.compile(ASTSource(k._fused_backward_update_kernel, signature, constexprs=constants),
                               target=target)
     assert compiled.asm["cubin"]
+chunk_signature = dict(
+    grad_output_ptr="*fp32", sorted_grad_offsets_ptr="*i64", sorted_scales_ptr="*fp32",
+    chunk_value_starts_ptr="*i64", chunk_value_ends_ptr="*i64", chunk_dims_ptr="*i32", partials_ptr="*fp32",
+    partial_stride="i32", BLOCK_L="constexpr", BLOCK_D="constexpr")
+triton.compile(ASTSource(k._chunk_partial_kernel, chunk_signature, constexprs=dict(BLOCK_L=8, BLOCK_D=128)),
+               target=target)
 print("compiled")
 """
 

@@ -200,6 +200,30 @@ def test_weight_decay_and_untouched_rows(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad"])
+def test_hot_rows_summed_in_chunks_match(device, kind):
+    """Rows with more values than max_segment_values take the chunked path; same result."""
+    generator = torch.Generator().manual_seed(8)
+    setup = make_setup(device)
+    start = make_weights(setup, torch.float32, generator, device)
+    indices, offsets, per_value_weights = make_batch(setup, generator, device, weighted=True)
+    indices = indices % 2  # every table's rows 0 and 1 only: long segments
+    grad_output = torch.randn(setup.batch_size, setup.layout.total_cols, generator=generator).to(device)
+    args = (setup.layout, indices, offsets, setup.batch_size, grad_output, per_value_weights)
+    results = []
+    for max_segment_values in (3, 3, 1 << 20):
+        weights, state = start.clone(), torch.zeros(setup.layout.state_size(kind), device=device)
+        segments = triton_tbe.tbe_backward_update(
+            kind, weights, state, *args, learning_rate=0.1, max_segment_values=max_segment_values
+        )
+        results.append((weights, state, segments.num_chunks))
+    assert results[0][2] > 0 and results[2][2] == 0
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    torch.testing.assert_close(results[0][0], results[2][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[2][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_all_bags_empty_changes_nothing(device):
     setup = make_setup(device)
     weights = torch.randn(setup.layout.total_elements, device=device)

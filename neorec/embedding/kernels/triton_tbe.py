@@ -14,17 +14,16 @@ Forward: grid (F * B bags, column blocks of the widest table). A program loads i
 gathers ``BLOCK_L`` rows x ``BLOCK_D`` columns at a time (masked to the table's dim and to ids
 inside the table), accumulates in fp32 and writes its slice of the output row.
 
-Backward: on the device, with torch ops, every value gets a global row (table row offset + id),
-a gradient source (flat offset of its bag's grad_output slice) and a scale (per-value weight,
-divided by the bag length for mean pooling); a stable sort by global row groups the values of
-each row into a segment. One program per unique row sums its segment's scaled grad_output rows
-in a fixed order, then updates the row and its state in place: no dense gradient, no atomics,
-and the same inputs give the same bits.
+Backward: ``segments.build_row_segments`` (torch ops on the device) sorts the values by global
+row so that each unique row's values form one segment. One program per unique row sums its
+segment's scaled grad_output slices in a fixed order, then updates the row and its state in
+place: no dense gradient, no atomics, and the same inputs give the same bits. Hot rows (segments
+longer than ``max_segment_values``) are first summed in chunks by a second kernel, one program
+per chunk, into a small [chunks, BLOCK_D] buffer that the row's program adds in chunk order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,6 +31,7 @@ import triton
 import triton.language as tl
 
 from neorec.embedding.kernels.layout import TableBatchedLayout, check_batch, check_optimizer_kind
+from neorec.embedding.kernels.segments import RowSegments, build_row_segments
 
 _OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
 
@@ -118,33 +118,69 @@ def _round_for_storage(
 
 
 @triton.jit
-def _fused_backward_update_kernel(
-    weights_ptr, state_ptr, grad_output_ptr,
-    segment_starts_ptr, row_weight_offsets_ptr, row_dims_ptr, row_state_index_ptr,
-    sorted_grad_offsets_ptr, sorted_scales_ptr,
-    learning_rate, eps, weight_decay, seed,
-    OPTIMIZER: tl.constexpr, BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+def _sum_scaled_gradients(
+    grad_output_ptr, sorted_grad_offsets_ptr, sorted_scales_ptr, start, end, cols, col_mask,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """sum over sorted positions [start, end) of scale * grad_output slice, in a fixed order."""
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for chunk in range(start, end, BLOCK_L):
+        positions = chunk + tl.arange(0, BLOCK_L)
+        in_range = positions < end
+        sources = tl.load(sorted_grad_offsets_ptr + positions, mask=in_range, other=0)
+        scales = tl.load(sorted_scales_ptr + positions, mask=in_range, other=0.0)
+        tile = tl.load(
+            grad_output_ptr + sources[:, None] + cols[None, :],
+            mask=in_range[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        total += tl.sum(tile * scales[:, None], axis=0)
+    return total
+
+
+@triton.jit
+def _chunk_partial_kernel(
+    grad_output_ptr, sorted_grad_offsets_ptr, sorted_scales_ptr,
+    chunk_value_starts_ptr, chunk_value_ends_ptr, chunk_dims_ptr, partials_ptr, partial_stride,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per chunk of a long (hot) row: its partial gradient sum."""
+    chunk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < tl.load(chunk_dims_ptr + chunk)
+    partial = _sum_scaled_gradients(
+        grad_output_ptr, sorted_grad_offsets_ptr, sorted_scales_ptr,
+        tl.load(chunk_value_starts_ptr + chunk), tl.load(chunk_value_ends_ptr + chunk),
+        cols, col_mask, BLOCK_L, BLOCK_D,
+    )
+    tl.store(partials_ptr + chunk.to(tl.int64) * partial_stride + cols, partial, mask=col_mask)
+
+
+@triton.jit
+def _fused_backward_update_kernel(
+    weights_ptr, state_ptr, grad_output_ptr,
+    value_starts_ptr, value_ends_ptr, partial_starts_ptr, partial_ends_ptr, partials_ptr, partial_stride,
+    row_weight_offsets_ptr, row_dims_ptr, row_state_index_ptr,
+    sorted_grad_offsets_ptr, sorted_scales_ptr,
+    learning_rate, eps, weight_decay, seed,
+    OPTIMIZER: tl.constexpr, BF16: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_PARTIALS: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per unique row: gradient (own values, then long-row partials), then the
+    optimizer update of the row and its state."""
     row = tl.program_id(0)
-    start = tl.load(segment_starts_ptr + row)
-    end = tl.load(segment_starts_ptr + row + 1)
     dim = tl.load(row_dims_ptr + row)
     weight_offset = tl.load(row_weight_offsets_ptr + row)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
-    grad = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for chunk in range(start, end, BLOCK_L):
-        positions = chunk + tl.arange(0, BLOCK_L)
-        in_segment = positions < end
-        sources = tl.load(sorted_grad_offsets_ptr + positions, mask=in_segment, other=0)
-        scales = tl.load(sorted_scales_ptr + positions, mask=in_segment, other=0.0)
-        tile = tl.load(
-            grad_output_ptr + sources[:, None] + cols[None, :],
-            mask=in_segment[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        grad += tl.sum(tile * scales[:, None], axis=0)
+    grad = _sum_scaled_gradients(
+        grad_output_ptr, sorted_grad_offsets_ptr, sorted_scales_ptr,
+        tl.load(value_starts_ptr + row), tl.load(value_ends_ptr + row),
+        cols, col_mask, BLOCK_L, BLOCK_D,
+    )
+    if HAS_PARTIALS:
+        for partial in range(tl.load(partial_starts_ptr + row), tl.load(partial_ends_ptr + row)):
+            grad += tl.load(partials_ptr + partial * partial_stride + cols, mask=col_mask, other=0.0)
     weight_ptrs = weights_ptr + weight_offset + cols
     old = tl.load(weight_ptrs, mask=col_mask, other=0.0).to(tl.float32)
     grad = grad + weight_decay * old
@@ -215,74 +251,6 @@ def tbe_forward(
     return output
 
 
-@dataclass
-class RowSegments:
-    """The batch's values grouped by the row they touch (U unique rows, N values).
-
-    segment_starts: [U + 1] int64; values of unique row u are positions
-        ``segment_starts[u] : segment_starts[u + 1]`` of the sorted arrays.
-    row_weight_offsets: [U] int64 first element of the row in the weight buffer.
-    row_dims: [U] int32 the row's dim.
-    row_state_index: [U] int64 global row (table row offset + id): its row-wise state slot.
-    sorted_grad_offsets: [N] int64 flat offset into grad_output of each value's bag slice.
-    sorted_scales: [N] fp32 per-value weight, divided by the bag length under mean pooling.
-    """
-
-    segment_starts: torch.Tensor
-    row_weight_offsets: torch.Tensor
-    row_dims: torch.Tensor
-    row_state_index: torch.Tensor
-    sorted_grad_offsets: torch.Tensor
-    sorted_scales: torch.Tensor
-
-    @property
-    def num_rows(self) -> int:
-        return self.row_dims.numel()
-
-
-def build_row_segments(
-    layout: TableBatchedLayout,
-    indices: torch.Tensor,
-    bag_offsets: torch.Tensor,
-    batch_size: int,
-    per_value_weights: Optional[torch.Tensor] = None,
-) -> RowSegments:
-    """Sorts the batch's values by global row (stable, so segments keep input order) with torch
-    ops on the ids' device; one sync (the number of unique rows)."""
-    device = indices.device
-    first, last = bag_offsets[0], bag_offsets[-1]
-    num_bags = layout.num_features * batch_size
-    lengths = (bag_offsets[1:] - bag_offsets[:-1]).long()
-    num_values = int(last - first) if num_bags else 0
-    ids = indices[int(first) : int(first) + num_values].long() if num_values else indices[:0].long()
-    value_bag = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths, output_size=num_values)
-    value_feature = value_bag // batch_size
-    value_sample = value_bag - value_feature * batch_size
-    value_table = layout.feature_table[value_feature].long()
-    global_rows = layout.table_row_offsets[value_table] + ids
-    weight_offsets = layout.table_offsets[value_table] + ids * layout.table_dims[value_table]
-    grad_offsets = value_sample * layout.total_cols + layout.output_col_offsets[value_feature]
-    if per_value_weights is None:
-        scales = torch.ones(num_values, dtype=torch.float32, device=device)
-    else:
-        scales = per_value_weights[int(first) : int(first) + num_values].float()
-    mean = layout.feature_pooling_mean[value_feature] != 0
-    scales = torch.where(mean, scales / lengths[value_bag].clamp(min=1).float(), scales)
-    sorted_rows, order = torch.sort(global_rows, stable=True)
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    segment_starts = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(counts, dim=0, out=segment_starts[1:])
-    first_values = order[segment_starts[:-1]]  # any value of the row gives its table
-    return RowSegments(
-        segment_starts=segment_starts,
-        row_weight_offsets=weight_offsets[first_values],
-        row_dims=layout.table_dims[value_table[first_values]],
-        row_state_index=unique_rows,
-        sorted_grad_offsets=grad_offsets[order].contiguous(),
-        sorted_scales=scales[order].contiguous(),
-    )
-
-
 def tbe_backward_update(
     kind: str,
     weights: torch.Tensor,
@@ -301,6 +269,7 @@ def tbe_backward_update(
     stochastic_rounding: bool = True,
     check_ids: bool = True,
     segments: Optional[RowSegments] = None,
+    max_segment_values: int = 2048,
 ) -> RowSegments:
     """Backward of ``tbe_forward`` fused with the optimizer step; updates ``weights`` (and
     ``state``) in place for the rows the batch touched and returns the row segments used.
@@ -312,6 +281,8 @@ def tbe_backward_update(
     seed: Philox seed of stochastic rounding; pass a new one every step (e.g. base + step).
     stochastic_rounding: for fp16/bf16 weights; fp32 weights are always stored exactly.
     segments: a ``build_row_segments`` result for this batch to reuse (else built here).
+    max_segment_values: rows with more values than this get their gradient summed in chunks by
+        extra programs first (hot ids); any value gives the same result up to fp32 rounding.
     """
     check_optimizer_kind(kind)
     check_batch(layout, weights, indices, bag_offsets, batch_size, per_value_weights, check_ids)
@@ -329,20 +300,34 @@ def tbe_backward_update(
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
     if segments is None:
-        segments = build_row_segments(layout, indices, bag_offsets, batch_size, per_value_weights)
+        segments = build_row_segments(
+            layout, indices, bag_offsets, batch_size, per_value_weights, max_segment_values
+        )
     if segments.num_rows == 0:
         return segments
     grad_output = grad_output.to(torch.float32).contiguous()
     block_l, block_d = _block_shape(layout.max_dim, 1 << 30, 4096)
+    num_warps = 4 if block_d <= 256 else 8
+    partials = grad_output  # placeholder pointer when no row is long
+    if segments.num_chunks:
+        partials = torch.empty(segments.num_chunks, block_d, dtype=torch.float32, device=weights.device)
+        _chunk_partial_kernel[(segments.num_chunks,)](
+            grad_output, segments.sorted_grad_offsets, segments.sorted_scales,
+            segments.chunk_value_starts, segments.chunk_value_ends, segments.chunk_dims,
+            partials, block_d, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+        )
     stochastic = bool(stochastic_rounding) and weights.dtype != torch.float32
     _fused_backward_update_kernel[(segments.num_rows,)](
         weights, state if state is not None else grad_output, grad_output,
-        segments.segment_starts, segments.row_weight_offsets, segments.row_dims,
-        segments.row_state_index, segments.sorted_grad_offsets, segments.sorted_scales,
+        segments.value_starts, segments.value_ends,
+        segments.partial_starts if segments.num_chunks else segments.value_starts,
+        segments.partial_ends if segments.num_chunks else segments.value_ends,
+        partials, block_d,
+        segments.row_weight_offsets, segments.row_dims, segments.row_state_index,
+        segments.sorted_grad_offsets, segments.sorted_scales,
         float(learning_rate), float(eps), float(weight_decay), int(seed) & 0x7FFFFFFFFFFFFFFF,
         OPTIMIZER=_OPTIMIZER_CODES[kind], BF16=weights.dtype == torch.bfloat16,
-        STOCHASTIC=stochastic,
-        BLOCK_L=block_l, BLOCK_D=block_d,
-        num_warps=4 if block_d <= 256 else 8,
+        STOCHASTIC=stochastic, HAS_PARTIALS=segments.num_chunks > 0,
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
     )
     return segments
