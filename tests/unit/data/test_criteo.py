@@ -158,12 +158,12 @@ def test_bounded_memory_while_streaming(tsv, tmp_path):
     size = big.stat().st_size
     tracemalloc.start()
     try:
-        stats = preprocess_criteo(big, tmp_path / "out", ROWS, chunk_lines=256)
+        stats = preprocess_criteo(big, tmp_path / "out", ROWS, chunk_lines=128)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert stats.num_rows == 24_000 and size > 5_000_000
-    assert peak < size / 5, (peak, size)  # chunk-sized, not file-sized
+    assert peak < size / 6, (peak, size)  # chunk-sized (~30 kB of text here), not file-sized
 
 
 def test_stale_cache_is_rebuilt(tsv, tmp_path):

@@ -1,0 +1,237 @@
+"""MovieLens-100k as click data: label = rating >= 4, split in time.
+
+    neorec train --config configs/movielens.toml
+
+    from neorec.data.config import MovieLensConfig
+    from neorec.data.movielens import MovieLensSource
+    source = MovieLensSource(MovieLensConfig(path="../shared/data/ml-100k"))
+
+The directory holds three tab-separated files with typed headers (``user_id:token`` ...):
+``<name>.inter`` (user_id, item_id, rating, timestamp), ``<name>.user`` (user_id, age, gender,
+occupation, zip_code) and ``<name>.item`` (item_id, release_year, class = space-separated genres).
+
+Sparse features (KeyedJaggedTensor keys, in order): user, item, age (bucket: <18, 18-24, 25-34,
+35-44, 45-49, 50-55, 56+), gender, occupation, zip (first 3 characters), release_year, genres (a
+multi-hot bag with every genre of the movie). Ids come from vocabularies built from the files in
+sorted token order; id 0 is reserved for an unknown or missing value (e.g. release year "unknown").
+
+Dense features (``dense_names``): the user's age and the movie's release year, standardised
+(unknown year = 0), and log(1 + count) of the item's and of the user's training interactions,
+standardised over the training interactions.
+
+Split: interactions sorted by timestamp (stable); the last ``eval_fraction`` are the eval set.
+Training batches are shuffled every epoch by a generator seeded by (seed, epoch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.data.config import MovieLensConfig
+from neorec.data.source import EpochOrder, batch_ranges, check_batch_args, one_table_per_feature
+from neorec.embedding.config import TableConfig
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+FEATURES = ["user", "item", "age", "gender", "occupation", "zip", "release_year", "genres"]
+DENSE_NAMES = ["age", "release_year", "item_popularity", "user_activity"]
+AGE_BUCKETS = [(18, "<18"), (25, "18-24"), (35, "25-34"), (45, "35-44"), (50, "45-49"), (56, "50-55")]
+REQUIRED = {
+    "inter": ["user_id", "item_id", "rating", "timestamp"],
+    "user": ["user_id", "age", "gender", "occupation", "zip_code"],
+    "item": ["item_id", "release_year", "class"],
+}
+_EXPECTED = (
+    "a directory with <name>.inter (user_id, item_id, rating, timestamp), <name>.user (user_id, age, "
+    "gender, occupation, zip_code) and <name>.item (item_id, release_year, class): tab-separated, with "
+    "typed headers such as 'user_id:token' (e.g. ../shared/data/ml-100k)"
+)
+
+
+def _find_file(directory: Path, kind: str) -> Path:
+    preferred = directory / f"{directory.name}.{kind}"
+    if preferred.is_file():
+        return preferred
+    found = sorted(directory.glob(f"*.{kind}"))
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(p.name for p in found)})"
+        raise FileNotFoundError(f"MovieLens directory {directory} has {what} *.{kind} file; expected {_EXPECTED}")
+    return found[0]
+
+
+def read_table(path: Path, required: Sequence[str]) -> Dict[str, List[str]]:
+    """Columns (by header name without its ``:type``) of a typed-header TSV file."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    if not lines:
+        raise ValueError(f"{path}: empty file; expected a header line such as 'user_id:token\\t...'")
+    names = [h.split(":", 1)[0].strip() for h in lines[0].split("\t")]
+    missing = [c for c in required if c not in names]
+    if missing:
+        raise ValueError(f"{path}: header lacks columns {missing}; found {names}; expected {_EXPECTED}")
+    rows = [line.split("\t") for line in lines[1:] if line]
+    for i, row in enumerate(rows):
+        if len(row) != len(names):
+            line_number = 2 + i + sum(1 for line in lines[1 : 2 + i] if not line)
+            raise ValueError(f"{path}:{line_number}: expected {len(names)} tab-separated fields "
+                             f"({names}), found {len(row)}")
+    columns = list(zip(*rows)) if rows else [()] * len(names)
+    return {name: list(columns[k]) for k, name in enumerate(names)}
+
+
+def _numbers(path: Path, name: str, texts: List[str]) -> np.ndarray:
+    try:
+        return np.array(texts, dtype=np.float64)
+    except ValueError:
+        for i, text in enumerate(texts):
+            try:
+                float(text)
+            except ValueError:
+                raise ValueError(f"{path}:{i + 2}: column {name!r} holds {text!r}, expected a number") from None
+        raise
+
+
+def _vocabulary(tokens: Sequence[str]) -> Dict[str, int]:
+    """Token -> id in 1.. (sorted order); 0 is left for unknown values."""
+    return {token: i + 1 for i, token in enumerate(sorted(set(tokens)))}
+
+
+def _age_bucket(age: float) -> str:
+    for upper, name in AGE_BUCKETS:
+        if age < upper:
+            return name
+    return "56+"
+
+
+def _standardise(x: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    std = float(reference.std()) if reference.size else 0.0
+    mean = float(reference.mean()) if reference.size else 0.0
+    return (x - mean) / (std if std > 0 else 1.0)
+
+
+class MovieLensSource:
+    """MovieLens interactions as click data (see the module docstring)."""
+
+    name = "movielens"
+
+    def __init__(self, cfg: MovieLensConfig) -> None:
+        self.cfg = cfg
+        directory = Path(cfg.path)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"MovieLens directory not found: {directory}; expected {_EXPECTED}")
+        paths = {kind: _find_file(directory, kind) for kind in REQUIRED}
+        inter, users, items = (read_table(paths[k], REQUIRED[k]) for k in ("inter", "user", "item"))
+        self.feature_names = list(FEATURES)
+        self.dense_names = list(DENSE_NAMES)
+        self.num_dense = len(DENSE_NAMES)
+
+        # users: attribute ids indexed by the user's id (row 0 = unknown user)
+        user_vocab = _vocabulary(users["user_id"])
+        ages = _numbers(paths["user"], "age", users["age"])
+        attributes = {
+            "age": [_age_bucket(a) for a in ages], "gender": users["gender"],
+            "occupation": users["occupation"], "zip": [z.strip()[:3] for z in users["zip_code"]],
+        }
+        self.vocabularies: Dict[str, Dict[str, int]] = {"user": user_vocab}
+        user_rows = np.array([user_vocab[u] for u in users["user_id"]], dtype=np.int64)
+        self._user_attr: Dict[str, np.ndarray] = {}
+        for name, tokens in attributes.items():
+            vocab = self.vocabularies[name] = _vocabulary(tokens)
+            table = np.zeros(len(user_vocab) + 1, dtype=np.int64)
+            table[user_rows] = [vocab[t] for t in tokens]
+            self._user_attr[name] = table
+        user_age = np.zeros(len(user_vocab) + 1)
+        user_age[user_rows] = _standardise(ages, ages)
+
+        # items: release year, genres (CSR), indexed by the item's id (row 0 = unknown item)
+        item_vocab = self.vocabularies["item"] = _vocabulary(items["item_id"])
+        item_rows = np.array([item_vocab[i] for i in items["item_id"]], dtype=np.int64)
+        years = [y.strip() for y in items["release_year"]]
+        known = [y for y in years if y.isdigit()]
+        year_vocab = self.vocabularies["release_year"] = _vocabulary(known)
+        self._item_year = np.zeros(len(item_vocab) + 1, dtype=np.int64)
+        self._item_year[item_rows] = [year_vocab.get(y, 0) for y in years]
+        year_values = np.array([float(y) if y.isdigit() else np.nan for y in years])
+        item_year_dense = np.zeros(len(item_vocab) + 1)
+        item_year_dense[item_rows] = np.nan_to_num(_standardise(year_values, year_values[~np.isnan(year_values)]))
+        genre_lists = [g.split() for g in items["class"]]
+        genre_vocab = self.vocabularies["genres"] = _vocabulary([g for gs in genre_lists for g in gs])
+        bags: List[List[int]] = [[0] for _ in range(len(item_vocab) + 1)]
+        for row, genres in zip(item_rows.tolist(), genre_lists):
+            bags[row] = [genre_vocab[g] for g in genres] or [0]
+        self._genre_lengths = np.array([len(b) for b in bags], dtype=np.int64)
+        self._genre_offsets = np.concatenate([[0], np.cumsum(self._genre_lengths)])
+        self._genre_values = np.array([g for b in bags for g in b], dtype=np.int64)
+
+        # interactions, sorted by time
+        ratings = _numbers(paths["inter"], "rating", inter["rating"])
+        timestamps = _numbers(paths["inter"], "timestamp", inter["timestamp"])
+        order = np.argsort(timestamps, kind="stable")
+        self.timestamps = timestamps[order]
+        self._user = np.array([user_vocab.get(u, 0) for u in inter["user_id"]], dtype=np.int64)[order]
+        self._item = np.array([item_vocab.get(i, 0) for i in inter["item_id"]], dtype=np.int64)[order]
+        self._labels = (ratings[order] >= cfg.min_rating_positive).astype(np.float32)
+        num = order.size
+        self._num_train = num - int(round(num * cfg.eval_fraction))
+        if self._num_train <= 0 or num == 0:
+            raise ValueError(f"{paths['inter']}: {num} interactions leave no training data "
+                             f"with eval_fraction {cfg.eval_fraction}")
+
+        train = slice(0, self._num_train)
+        item_counts = np.log1p(np.bincount(self._item[train], minlength=len(item_vocab) + 1))
+        user_counts = np.log1p(np.bincount(self._user[train], minlength=len(user_vocab) + 1))
+        item_pop, user_act = item_counts[self._item], user_counts[self._user]
+        self._dense = np.stack([
+            user_age[self._user], item_year_dense[self._item],
+            _standardise(item_pop, item_pop[train]), _standardise(user_act, user_act[train]),
+        ], axis=1).astype(np.float32)
+
+    # ------------------------------------------------------------------------------ interface
+    def vocabulary_sizes(self) -> List[int]:
+        """Rows of each feature's table (vocabulary size + 1 for the unknown id 0)."""
+        return [len(self.vocabularies[f]) + 1 for f in self.feature_names]
+
+    def tables(self, embedding_dim: int, pooling: str = "sum") -> List[TableConfig]:
+        return one_table_per_feature(self.feature_names, self.vocabulary_sizes(), embedding_dim, pooling)
+
+    def num_train_samples(self) -> int:
+        return self._num_train
+
+    def num_eval_samples(self) -> int:
+        return self._labels.size - self._num_train
+
+    def train_batches(self, batch_size: int, epoch: int = 0, start_batch: int = 0) -> Iterator[Batch]:
+        check_batch_args(batch_size, epoch, start_batch)
+        order = EpochOrder(self._num_train, True, self.cfg.seed, epoch)
+        for start, stop in batch_ranges(self._num_train, batch_size, start_batch):
+            yield self._batch(order.rows(start, stop))
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        check_batch_args(batch_size)
+        for start, stop in batch_ranges(self.num_eval_samples(), batch_size):
+            yield self._batch(np.arange(start + self._num_train, stop + self._num_train))
+
+    def train_timestamps(self) -> np.ndarray:
+        return self.timestamps[: self._num_train]
+
+    def eval_timestamps(self) -> np.ndarray:
+        return self.timestamps[self._num_train :]
+
+    # ------------------------------------------------------------------------------ batching
+    def _batch(self, rows: np.ndarray) -> Batch:
+        users, items = self._user[rows], self._item[rows]
+        one_hot = [users, items, self._user_attr["age"][users], self._user_attr["gender"][users],
+                   self._user_attr["occupation"][users], self._user_attr["zip"][users], self._item_year[items]]
+        genre_lengths = self._genre_lengths[items]
+        first = np.cumsum(genre_lengths) - genre_lengths
+        positions = np.repeat(self._genre_offsets[items] - first, genre_lengths) + np.arange(genre_lengths.sum())
+        num = rows.size
+        values = np.concatenate(one_hot + [self._genre_values[positions]])
+        lengths = np.concatenate([np.ones(num * len(one_hot), dtype=np.int64), genre_lengths])
+        sparse = KeyedJaggedTensor(self.feature_names, torch.from_numpy(values), torch.from_numpy(lengths),
+                                   batch_size=num, validate=False)
+        return Batch(torch.from_numpy(self._dense[rows]), sparse, torch.from_numpy(self._labels[rows]))
