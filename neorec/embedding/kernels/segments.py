@@ -93,7 +93,8 @@ def build_row_segments(
     mean = layout.feature_pooling_mean[value_feature] != 0
     scales = torch.where(mean, scales / lengths[value_bag].clamp(min=1).float(), scales)
 
-    sorted_rows, order = torch.sort(global_rows, stable=True)
+    sort_keys = global_rows.int() if layout.total_rows < 2**31 else global_rows  # 32-bit radix sort
+    sorted_rows, order = torch.sort(sort_keys, stable=True)
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     value_ends = torch.cumsum(counts, dim=0)
     value_starts = value_ends - counts
@@ -109,7 +110,7 @@ def build_row_segments(
         chunk_dims=None,
         row_weight_offsets=weight_offsets[first_values],
         row_dims=row_dims,
-        row_state_index=unique_rows,
+        row_state_index=unique_rows.long(),
         sorted_grad_offsets=grad_offsets[order].contiguous(),
         sorted_scales=scales[order].contiguous(),
     )
