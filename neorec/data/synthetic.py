@@ -149,7 +149,8 @@ class Teacher:
         """Set the term scales and the bias from a calibration sample (labels ignored)."""
         terms = self.terms(block.dense, block.lengths, block.values, block.weights)
         stds = terms.std(axis=0)
-        self._scales = np.where(stds > 1e-12, np.asarray(TERM_STDS) / np.maximum(stds, 1e-12), 0.0)
+        constant = stds <= 1e-9 * np.maximum(1.0, np.abs(terms).max(axis=0))  # e.g. one-row tables
+        self._scales = np.where(constant, 0.0, np.asarray(TERM_STDS) / np.where(constant, 1.0, stds))
         z = terms @ self._scales
         noise, target = self.cfg.label_noise, self.cfg.click_rate
         lo, hi = -60.0 * noise - 10.0 * abs(z).max(), 60.0 * noise + 10.0 * abs(z).max()
@@ -205,10 +206,11 @@ class Teacher:
 
 def _segment_sum(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Sum consecutive runs of ``rows`` [V, K] of the given lengths [C] -> [C, K] (empty runs = 0)."""
-    cumulative = np.zeros((rows.shape[0] + 1, rows.shape[1]))
-    np.cumsum(rows, axis=0, out=cumulative[1:])
-    ends = np.cumsum(lengths)
-    return cumulative[ends] - cumulative[ends - lengths]
+    starts = np.cumsum(lengths) - lengths
+    padded = np.concatenate([rows, np.zeros((1, rows.shape[1]))])  # keeps every start index valid
+    out = np.add.reduceat(padded, starts, axis=0)
+    out[lengths == 0] = 0.0
+    return out
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

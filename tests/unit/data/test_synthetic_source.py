@@ -178,3 +178,10 @@ def test_labels_learnable_by_a_linear_model():
         for w, i in zip(id_weights, ids[id(train)]):
             w -= 0.5 * np.bincount(i, residual, 100) / (np.bincount(i, minlength=100) + 5)
     assert auc(logits(evaluation), evaluation.labels.numpy()) > 0.68
+
+
+@pytest.mark.parametrize("kw", [dict(num_embeddings=[1]), dict(num_dense=0), dict(num_tables=1, num_embeddings=[9])])
+def test_degenerate_configs_keep_the_click_rate(kw):
+    source = small(num_train_samples=8000, **kw)
+    labels = torch.cat([b.labels for b in source.train_batches(4096)])
+    assert 0.25 < float(labels.mean()) < 0.35
