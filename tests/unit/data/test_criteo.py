@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from neorec.data import CriteoConfig, DataConfig, make_data_source
+from neorec.data import CriteoConfig, DataConfig, criteo_tsv, make_data_source
 from neorec.data.criteo import (CriteoSource, cache_is_fresh, categorical_id, load_or_preprocess,
                                 open_processed, preprocess_criteo, write_criteo_tsv)
-from neorec.data.criteo_tsv import parse_chunk
 
 ROWS = 1000  # num_embeddings of the processed tables
 
@@ -100,8 +99,6 @@ def test_unusual_but_valid_values_take_the_careful_path(tmp_path):
     # the fast and careful paths agree on regular data
     regular = ["\t".join(base + ["%08x" % (i * 31 + j) for i in range(26)]) for j in range(50)]
     buf = ("\n".join(regular) + "\n").encode()
-    from neorec.data import criteo_tsv
-
     a = np.frombuffer(buf, np.uint8)
     fast, careful = criteo_tsv._parse_regular(a, ROWS), criteo_tsv._parse_careful(a, 1, ROWS)
     assert fast is not None

@@ -177,7 +177,7 @@ def test_labels_learnable_by_a_linear_model():
         bias -= residual.mean()
         for w, i in zip(id_weights, ids[id(train)]):
             w -= 0.5 * np.bincount(i, residual, 100) / (np.bincount(i, minlength=100) + 5)
-    assert auc(logits(evaluation), evaluation.labels.numpy()) > 0.68
+    assert auc(logits(evaluation), evaluation.labels.numpy()) > 0.7
 
 
 @pytest.mark.parametrize("kw", [dict(num_embeddings=[1]), dict(num_dense=0), dict(num_tables=1, num_embeddings=[9])])
