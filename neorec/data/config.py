@@ -53,14 +53,8 @@ class SyntheticConfig:
         where = "data.synthetic"
         if self.num_tables < 1:
             raise ValueError(f"{where}.num_tables must be >= 1, got {self.num_tables}")
-        if len(self.num_embeddings) not in (1, self.num_tables):
-            raise ValueError(
-                f"{where}.num_embeddings must hold one value (for all tables) or num_tables = "
-                f"{self.num_tables} values, got {len(self.num_embeddings)}: {self.num_embeddings}"
-            )
-        bad = [n for n in self.num_embeddings if n < 1]
-        if bad:
-            raise ValueError(f"{where}.num_embeddings must be >= 1, got {self.num_embeddings}")
+        if not self.num_embeddings or min(self.num_embeddings) < 1:
+            raise ValueError(f"{where}.num_embeddings must hold values >= 1, got {self.num_embeddings}")
         if not self.pooling >= 1.0:
             raise ValueError(f"{where}.pooling must be >= 1 (mean ids per bag), got {self.pooling}")
         if self.max_pooling < 1:
@@ -84,7 +78,14 @@ class SyntheticConfig:
             raise ValueError(f"{where}.seed must be >= 0, got {self.seed}")
 
     def table_sizes(self) -> List[int]:
-        """Rows of each of the num_tables tables."""
+        """Rows of each of the num_tables tables. The length of num_embeddings is checked here, not
+        when the config is built, so that ``--set`` overrides may change num_tables and
+        num_embeddings one at a time."""
+        if len(self.num_embeddings) not in (1, self.num_tables):
+            raise ValueError(
+                f"data.synthetic.num_embeddings must hold one value (for all tables) or num_tables = "
+                f"{self.num_tables} values, got {len(self.num_embeddings)}: {self.num_embeddings}"
+            )
         if len(self.num_embeddings) == 1:
             return self.num_embeddings * self.num_tables
         return list(self.num_embeddings)

@@ -76,7 +76,7 @@ def test_tables_and_config_validation():
     ]
     assert [t.num_embeddings for t in small(num_embeddings=[77]).tables(8)] == [77, 77, 77]
     with pytest.raises(ValueError, match="num_embeddings must hold one value .* or num_tables = 3"):
-        SyntheticConfig(num_tables=3, num_embeddings=[1, 2])
+        SyntheticSource(SyntheticConfig(num_tables=3, num_embeddings=[1, 2]))
     for bad in (dict(pooling=0.5), dict(zipf_alpha=-1.0), dict(label_noise=0.0), dict(click_rate=1.0)):
         with pytest.raises(ValueError, match="data.synthetic"):
             SyntheticConfig(**bad)
