@@ -105,7 +105,8 @@ def update_rows(
         delta = grad.mul_(-lr)
     elif kind == "rowwise_adagrad":
         accumulator = states["momentum1"]
-        row_sum = accumulator.index_select(0, rows).add_(torch.linalg.vecdot(grad, grad), alpha=1.0 / grad.shape[1])
+        squares = torch.linalg.vector_norm(grad, dim=1).square_()  # one pass, no [C, D] temporary
+        row_sum = accumulator.index_select(0, rows).add_(squares, alpha=1.0 / grad.shape[1])
         accumulator.index_copy_(0, rows, row_sum)
         scale = row_sum.sqrt_().add_(config.eps).reciprocal_().mul_(-lr)
         delta = grad.mul_(scale.unsqueeze(1))

@@ -16,8 +16,8 @@ values [B, sum of dims] fp32.
 
 Backward never builds a dense [rows, dim] gradient nor a per-value [N, dim] one: per group the
 row ids are stable-sorted, each unique row's gradient is pooled straight from the output gradient
-with ``F.embedding_bag`` (the transpose of the forward), in chunks of rows that stay in cache,
-and the optimizer updates exactly those rows in place. Sorted order, no atomics: same bits for
+with ``F.embedding_bag`` (the transpose of the forward), in chunks of at most ``_CHUNK_BYTES`` of
+row gradients, and the optimizer updates exactly those rows in place. Sorted order, no atomics: same bits for
 the same inputs.
 """
 
@@ -31,14 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
-from neorec.embedding.layout import DimGroup, GroupLookup, build_layout, prepare_lookups
+from neorec.embedding.layout import DimGroup, build_layout
+from neorec.embedding.lookup import GroupLookup, prepare_lookups
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
 _INIT_CHUNK = 1 << 22  # elements generated per uniform_ call at init (bounds the fp32 temp)
-_CACHE_BYTES = 1 << 20  # target size of one chunk of aggregated fp32 row gradients
+_CHUNK_BYTES = 1 << 24  # at most this many bytes of aggregated fp32 row gradients at a time
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -192,9 +193,10 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def _pool(self, lookups: List[GroupLookup], batch_size: int) -> torch.Tensor:
         """[B, total_dim] fp32 pooled embeddings, features in ``feature_names`` order."""
+        total_dim = self.layout.total_dim
         out = None
         for lookup in lookups:
-            group = self.layout.groups[lookup.group]
+            group = lookup.group
             weights = self.group_weights(group)
             if weights.dtype == torch.float32:
                 indices, table = lookup.rows, weights
@@ -206,24 +208,25 @@ class TableBatchedEmbeddingBags(nn.Module):
             pooled = F.embedding_bag(
                 indices, table, lookup.offsets, mode="sum",
                 per_sample_weights=lookup.weights, include_last_offset=True,
-            )  # [F_g * B, dim], key-major bags
-            pooled = pooled.view(group.num_features, batch_size, group.dim)
-            if group.covers_output(self.layout.total_dim):
-                return pooled.transpose(0, 1).reshape(batch_size, self.layout.total_dim)
+            )  # [num_bags, dim]
+            if lookup.batch_major:
+                pooled = pooled.view(batch_size, group.num_features, group.dim)
+            else:
+                pooled = pooled.view(group.num_features, batch_size, group.dim).transpose(0, 1)
+            if group.covers_output(total_dim):
+                return pooled.reshape(batch_size, total_dim)
             if out is None:
-                out = torch.empty(batch_size, self.layout.total_dim, device=pooled.device)
+                out = torch.empty(batch_size, total_dim, device=pooled.device)
             for first, last, column in group.runs:
                 width = (last - first) * group.dim
-                out[:, column : column + width].view(batch_size, last - first, group.dim).copy_(
-                    pooled[first:last].transpose(0, 1)
-                )
+                out[:, column : column + width].view(batch_size, last - first, group.dim).copy_(pooled[:, first:last])
         if out is None:
-            out = torch.zeros(batch_size, self.layout.total_dim, device=self.weights.device)
+            out = torch.zeros(batch_size, total_dim, device=self.weights.device)
         return out
 
     # ------------------------------------------------------------------------------ backward
     def _chunk_rows(self, dim: int) -> int:
-        return max(64, _CACHE_BYTES // (4 * dim))
+        return max(1, _CHUNK_BYTES // (4 * dim))
 
     def _group_grad(self, group: DimGroup, grad_output: torch.Tensor, batch_size: int) -> torch.Tensor:
         """[B * F_g, dim] output gradient of one group, row ``b * F_g + f``."""
@@ -249,11 +252,11 @@ class TableBatchedEmbeddingBags(nn.Module):
         for lookup in lookups:
             if lookup.num_values == 0:
                 continue
-            group = self.layout.groups[lookup.group]
+            group = lookup.group
             grad = self._group_grad(group, grad_output, batch_size)
             lookup.sort()
-            bags = lookup.batch_major_bags(batch_size)[lookup.permutation]  # [N] sorted by row
-            weights = None if lookup.weights is None else lookup.weights[lookup.permutation]
+            bags = lookup.bags().index_select(0, lookup.permutation)  # [N] output-gradient row, by row
+            weights = None if lookup.weights is None else lookup.weights.index_select(0, lookup.permutation)
             starts = lookup.segment_starts
             chunk = self._chunk_rows(group.dim)
             num_unique = lookup.unique.numel()

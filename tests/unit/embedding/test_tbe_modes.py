@@ -49,7 +49,7 @@ def assert_same_bits(a: TableBatchedEmbeddingBags, b: TableBatchedEmbeddingBags)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_two_identical_runs_give_identical_bits(kind, precision, monkeypatch):
-    monkeypatch.setattr(tbe_module, "_CACHE_BYTES", 100)
+    monkeypatch.setattr(tbe_module, "_CHUNK_BYTES", 100)
     first, out1 = train(kind, precision)
     second, out2 = train(kind, precision)
     assert_same_bits(first, second)
@@ -62,7 +62,7 @@ def test_two_identical_runs_give_identical_bits(kind, precision, monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_dense_gradient_mode_equals_fused_mode(kind, precision, monkeypatch):
-    monkeypatch.setattr(tbe_module, "_CACHE_BYTES", 100)
+    monkeypatch.setattr(tbe_module, "_CHUNK_BYTES", 100)
     fused, out_fused = train(kind, precision)
     dense, out_dense = train(kind, precision, dense_gradient=True)
     assert all(torch.equal(x, y) for x, y in zip(out_fused, out_dense))
@@ -202,3 +202,18 @@ def test_backward_allocates_nothing_of_table_size(kind, precision):
         out.sum().backward()
     assert watch.seen == []
     assert not torch.equal(before, fused.get_table_weight("big"))
+
+
+@pytest.mark.parametrize("count,num_rows", [(0, 5), (1, 5), (1000, 7), (5000, 3_000_000), (300, 2**61)])
+def test_stable_sort_rows_matches_torch_stable_sort(count, num_rows):
+    from neorec.embedding.lookup import stable_sort_rows
+
+    generator = torch.Generator().manual_seed(count)
+    rows = torch.randint(0, min(num_rows, 2**62), (count,), generator=generator)
+    if count:
+        rows[: count // 2] = rows[0]  # many duplicates
+    for dtype in (torch.int32, torch.int64) if num_rows < 2**31 else (torch.int64,):
+        sorted_rows, permutation = stable_sort_rows(rows.to(dtype), num_rows)
+        expected_rows, expected_permutation = torch.sort(rows, stable=True)
+        assert torch.equal(sorted_rows, expected_rows) and sorted_rows.dtype == torch.int64
+        assert torch.equal(permutation, expected_permutation)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import neorec.embedding.lookup as lookup_module
 import neorec.embedding.tbe as tbe_module
 from neorec.embedding import SparseOptimizerConfig, StorageConfig, TableBatchedEmbeddingBags, TableConfig
 from neorec.sparse import KeyedJaggedTensor
@@ -120,7 +121,7 @@ class Reference:
 @pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", False), ("mixed", True)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_matches_reference(kind, pooling, weighted, precision, monkeypatch):
-    monkeypatch.setattr(tbe_module, "_CACHE_BYTES", 48)  # a few rows per chunk: exercise chunking
+    monkeypatch.setattr(tbe_module, "_CHUNK_BYTES", 48)  # a few rows per chunk: exercise chunking
     tables = make_tables(pooling)
     config = SparseOptimizerConfig(kind, learning_rate=0.1, weight_decay=0.01 if kind != "sgd" else 0.0,
                                    initial_accumulator_value=0.1 if "adagrad" in kind else 0.0)
@@ -130,6 +131,8 @@ def test_fused_matches_reference(kind, pooling, weighted, precision, monkeypatch
     generator = torch.Generator().manual_seed(11)
     tolerance = TOLERANCE[precision]
     for step in range(3):
+        # alternate key-major (step 0, 2) and batch-major (step 1) bag order
+        monkeypatch.setattr(lookup_module, "BATCH_MAJOR_MAX_POOLING", 1e9 if step == 1 else 0.0)
         kjt = make_batch(tables, 6, generator, weighted)
         grad_output = torch.randn(6, sum(fused.feature_dims), generator=generator)
         pooled = fused(kjt)
