@@ -24,7 +24,7 @@ the same inputs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from neorec.embedding.layout import DimGroup, build_layout
 from neorec.embedding.lookup import GroupLookup, prepare_lookups
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
+from neorec.embedding.replicas import ReplicaGradients
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
@@ -73,6 +74,11 @@ class TableBatchedEmbeddingBags(nn.Module):
             then steps. Meant for small tables (data parallel).
         device: where the buffers live (default CPU).
         init_seed: seed of the uniform(-sqrt(1/rows), sqrt(1/rows)) init, table by table.
+        dense_gradient_tables: names of tables held as data-parallel replicas: their rows leave
+            the fused update; at the end of every backward their dense gradient (one compact fp32
+            buffer) goes to ``gradient_reducer`` (e.g. an all-reduce average, in place) and the
+            optimizer then steps their rows with a non-zero gradient (``replicas.py``).
+        gradient_reducer: ``callable(grad)`` for ``dense_gradient_tables``; None = no reduction.
     """
 
     def __init__(
@@ -83,6 +89,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         dense_gradient: bool = False,
         device: Optional[torch.device | str] = None,
         init_seed: int = 0,
+        dense_gradient_tables: Sequence[str] = (),
+        gradient_reducer: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> None:
         super().__init__()
         if not isinstance(optimizer, SparseOptimizerConfig):
@@ -105,6 +113,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.layout.groups[g].row_start + r for g, r in zip(self.layout.table_group, self.table_row_offset_in_group)
         ]
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
+        if dense_gradient_tables and self.dense_gradient:
+            raise ValueError("dense_gradient_tables cannot be combined with dense_gradient=True (all tables dense)")
+        self._replicas = ReplicaGradients(self.layout, list(dense_gradient_tables), gradient_reducer) \
+            if dense_gradient_tables else None
         self._rounder = Rounder(storage_dtype(self.storage.precision), self.storage.stochastic_rounding, self.storage.seed)
 
         weights = torch.empty(self.layout.num_elements, dtype=storage_dtype(self.storage.precision))
@@ -269,13 +281,23 @@ class TableBatchedEmbeddingBags(nn.Module):
                     per_sample_weights=None if weights is None else weights[lo:hi],
                 )  # [last - first, dim]
                 self._consume(group, lookup.unique[first:last], row_grad, step)
+        if self._replicas is not None:
+            self._replicas.reduce_and_apply(
+                lambda group, rows, grad: update_rows(self.optimizer, self.group_weights(group),
+                                                      self._group_states(group), rows, grad, step, self._rounder),
+                self.weights.device)
 
     def _consume(self, group: DimGroup, rows: torch.Tensor, row_grad: torch.Tensor, step: int) -> None:
         if self.dense_gradient:
             view = self.dense_grad[group.element_start : group.element_end].view(group.num_rows, group.dim)
             view.index_add_(0, rows, row_grad)
-        else:
-            update_rows(self.optimizer, self.group_weights(group), self._group_states(group), rows, row_grad, step, self._rounder)
+            return
+        if self._replicas is not None:
+            rest = self._replicas.take(group, rows, row_grad)
+            if rest is None:
+                return
+            rows, row_grad = rest
+        update_rows(self.optimizer, self.group_weights(group), self._group_states(group), rows, row_grad, step, self._rounder)
 
     @torch.no_grad()
     def apply_dense_gradients(self) -> None:

@@ -1,0 +1,74 @@
+"""TableBatchedEmbeddingBags with ``dense_gradient_tables``: replica tables leave the fused update,
+their dense gradient goes through ``gradient_reducer`` once per backward, then the optimizer steps.
+
+    python -m pytest tests/unit/embedding/test_tbe_replicas.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags
+
+from test_tbe_reference import make_batch, make_tables
+
+
+def run(kind, replicas=(), reducer=None, steps=3, learning_rate=0.05, only_keys=None):
+    tables = make_tables("mixed")
+    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(kind, learning_rate=learning_rate),
+                                       dense_gradient_tables=replicas, gradient_reducer=reducer)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        kjt = make_batch(tables, 8, generator, weighted=True)
+        if only_keys is not None:  # zero lengths for the other features
+            lengths = kjt.lengths.view(len(kjt.keys()), 8).clone()
+            keep = torch.tensor([k in only_keys for k in kjt.keys()])
+            lengths[~keep] = 0
+            starts = kjt.offset_per_key()
+            values = torch.cat([kjt.values[starts[i]:starts[i + 1]] for i, k in enumerate(kjt.keys()) if k in only_keys])
+            weights = torch.cat([kjt.weights[starts[i]:starts[i + 1]] for i, k in enumerate(kjt.keys()) if k in only_keys])
+            kjt = type(kjt)(kjt.keys(), values, lengths.reshape(-1), weights)
+        grad = torch.randn(8, sum(module.feature_dims), generator=generator)
+        module(kjt).values.backward(grad)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adagrad"])
+def test_replica_tables_without_reducer_match_the_fused_update(kind):
+    plain = run(kind)
+    replicated = run(kind, replicas=["t8a", "t4"])
+    for table in make_tables("mixed"):
+        torch.testing.assert_close(replicated.get_table_weight(table.name), plain.get_table_weight(table.name),
+                                   rtol=1e-6, atol=1e-7)
+    assert replicated.step_count == plain.step_count == 3
+
+
+def test_reducer_sees_every_backward_and_scales_the_gradient():
+    calls = []
+
+    def halve(grad):
+        calls.append(grad.numel())
+        grad.mul_(0.5)
+
+    halved = run("sgd", replicas=["t16"], reducer=halve)
+    reference = run("sgd")
+    slow = run("sgd", learning_rate=0.025)
+    assert calls == [29 * 16] * 3
+    torch.testing.assert_close(halved.get_table_weight("t16"), slow.get_table_weight("t16"))
+    torch.testing.assert_close(halved.get_table_weight("t4"), reference.get_table_weight("t4"))
+
+    # no id of the replica table in a batch: the reducer still runs (collectives stay matched)
+    calls.clear()
+    untouched = run("sgd", replicas=["t16"], reducer=halve, only_keys={"f_b"})
+    assert calls == [29 * 16] * 3
+    fresh = TableBatchedEmbeddingBags(make_tables("mixed"), SparseOptimizerConfig("sgd"))
+    torch.testing.assert_close(untouched.get_table_weight("t16"), fresh.get_table_weight("t16"))
+
+
+def test_replica_errors():
+    with pytest.raises(ValueError, match="no tables named"):
+        TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig("sgd"), dense_gradient_tables=["nope"])
+    with pytest.raises(ValueError, match="dense_gradient=True"):
+        TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig("sgd"), dense_gradient=True,
+                                  dense_gradient_tables=["t4"])
