@@ -32,12 +32,14 @@ class SyntheticConfig:
     """
 
     num_tables: int = 8
-    num_embeddings: List[int] = field(default_factory=lambda: [10000])
-    pooling: float = 1.0
+    num_embeddings: List[int] = field(
+        default_factory=lambda: [100_000, 50_000, 20_000, 10_000, 5_000, 2_000, 1_000, 100]
+    )
+    pooling: float = 2.0
     max_pooling: int = 64
     zipf_alpha: float = 1.05
     num_dense: int = 13
-    num_train_samples: int = 200_000
+    num_train_samples: int = 500_000
     num_eval_samples: int = 20_000
     teacher_dim: int = 8
     label_noise: float = 1.0
@@ -159,7 +161,7 @@ class DataConfig:
     background thread (prefetch_batches; 0 = no background thread)."""
 
     source: str = "synthetic"
-    batch_size: int = 512
+    batch_size: int = 1024
     eval_batch_size: int = 4096
     prefetch_batches: int = 4
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

@@ -117,10 +117,10 @@ class Trainer:
         self,
         cfg: Config,
         source: Optional[DataSource] = None,
-        out: TextIO = sys.stdout,
+        out: Optional[TextIO] = None,
     ) -> None:
         self.cfg = cfg
-        self.out = out
+        self.out = out if out is not None else sys.stdout
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         self.device = resolve_device(cfg.train.device)

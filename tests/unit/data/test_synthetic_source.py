@@ -83,7 +83,7 @@ def test_tables_and_config_validation():
 
 
 def test_make_data_source_dispatches():
-    source = make_data_source(DataConfig(source="synthetic", synthetic=SyntheticConfig(num_tables=2)))
+    source = make_data_source(DataConfig(source="synthetic", synthetic=SyntheticConfig(num_tables=2, num_embeddings=[1000])))
     assert isinstance(source, SyntheticSource) and source.name == "synthetic"
 
 
