@@ -29,6 +29,20 @@ def storage_dtype(precision: str) -> torch.dtype:
         raise ValueError(f"precision must be one of {sorted(STORAGE_DTYPES)}, got {precision!r}") from None
 
 
+def _uniform_16_bits(shape: torch.Size, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """int32 tensor of ``shape`` with independent uniform values in [0, 2^16).
+
+    Draws full-range 64-bit words and splits each into four 16-bit fields (one generator draw per
+    four values instead of one per value: the CPU Mersenne twister is the cost of SR)."""
+    count = 1
+    for size in shape:
+        count *= size
+    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)  # all 64 bits uniform
+    fields = words.view(torch.int16)[:count].to(torch.int32)  # [-2^15, 2^15)
+    return fields.bitwise_and_(0xFFFF).view(shape)
+
+
 def stochastic_round_bf16(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """Unbiased stochastic rounding of fp32 ``values`` (any shape) to bf16.
 
@@ -41,29 +55,34 @@ def stochastic_round_bf16(values: torch.Tensor, generator: Optional[torch.Genera
     if values.dtype != torch.float32:
         raise TypeError(f"stochastic_round_bf16 expects fp32 values, got {values.dtype}")
     bits = values.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    noise = _uniform_16_bits(bits.shape, bits.device, generator)
     rounded = noise.add_(bits).bitwise_and_(-65536)  # -65536 == 0xFFFF0000 as int32
     return rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+_FP16_MIN_NORMAL = 2.0**-14
 
 
 def stochastic_round_fp16(values: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """Unbiased stochastic rounding of fp32 ``values`` (any shape) to fp16.
 
-    ``near`` is the round-to-nearest fp16 value, ``other`` its neighbour on the far side of the
-    input (``torch.nextafter``); the result is ``other`` with probability
-    ``|x - near| / |other - near|``. Exactly representable values are unchanged; values beyond the
-    fp16 range become inf as with round-to-nearest; NaN stays NaN.
+    In fp16's normal range the bit trick of bf16 applies to the 13 fp32 mantissa bits that fp16
+    lacks: add a uniform integer in [0, 2^13) to the bit pattern of ``|x|`` and clear those bits;
+    the result is exactly representable in fp16. Below 2^-14 (fp16 subnormals, spacing 2^-24)
+    ``|x| + 2^-14`` lies in [2^-14, 2^-13), whose spacing is also 2^-24: round that the same way
+    and subtract 2^-14 again (the fp32 add is exact up to 2^-37, i.e. 2^-13 of an fp16 step).
+    The sign is put back at the end. Beyond the fp16 range the result is inf, as with
+    round-to-nearest; NaN stays NaN. Branch-free (no data-dependent indexing).
     """
     if values.dtype != torch.float32:
         raise TypeError(f"stochastic_round_fp16 expects fp32 values, got {values.dtype}")
-    near = values.to(torch.float16)
-    near32 = near.float()
-    distance = values - near32
-    toward = torch.where(distance > 0, float("inf"), float("-inf")).to(torch.float16)
-    other = torch.nextafter(near, toward)
-    probability = distance.abs_().div_((other.float() - near32).abs_())
-    draw = torch.rand(values.shape, device=values.device, generator=generator)
-    return torch.where(draw < probability, other, near)
+    magnitude = values.abs()
+    tiny = magnitude < _FP16_MIN_NORMAL
+    magnitude = torch.where(tiny, magnitude + _FP16_MIN_NORMAL, magnitude)
+    noise = _uniform_16_bits(values.shape, values.device, generator).bitwise_right_shift_(3)  # [0, 2^13)
+    rounded = noise.add_(magnitude.view(torch.int32)).bitwise_and_(-8192).view(torch.float32)  # ~0x1FFF
+    rounded = torch.where(tiny, rounded - _FP16_MIN_NORMAL, rounded).copysign_(values)
+    return rounded.to(torch.float16)
 
 
 class Rounder:

@@ -14,7 +14,7 @@ ROUNDERS = {torch.bfloat16: stochastic_round_bf16, torch.float16: stochastic_rou
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("value", [1.0 + 0.3 * 2**-7, -3.3 + 1e-3, 1e-3 + 7e-7, 5.0e-6])
+@pytest.mark.parametrize("value", [1.0 + 0.3 * 2**-7, -3.3 + 1e-3, 1e-3 + 7e-7, 5.0e-6, -3.01e-5, 6.1e-5])
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours(dtype, value):
     x = torch.full((200_000,), value, dtype=torch.float32)
     out = ROUNDERS[dtype](x, torch.Generator().manual_seed(0))
