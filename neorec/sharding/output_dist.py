@@ -1,0 +1,68 @@
+"""Output distribution: pooled rows go back to the ranks that own the samples, which put them into
+the ``EmbeddingBagCollection`` layout.
+
+A rank's fused lookup gives [all ranks' samples, its shard-feature columns + replica columns]. The
+shard-feature columns of rank s's samples (rows of s's block) are sent to s in one all-to-all
+(a differentiable one: backward returns the gradient the reverse way, scaled by ``grad_scale``).
+The owner concatenates what it got from ranks 0..W-1 and its own replica columns, then places
+every column: column pieces side by side in column order, row-wise partial sums ADDED (index_add),
+table-wise columns copied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from neorec.sharding.comm import Awaitable, CommStats, differentiable_all_to_all
+from neorec.sharding.input_dist import LocalBatch
+from neorec.sharding.routing import Routing
+from neorec.sparse.keyed import KeyedTensor
+
+
+class OutputPlacement:
+    """Static column placement of one rank's output (same on every rank)."""
+
+    def __init__(self, routing: Routing, device: torch.device) -> None:
+        self.routing = routing
+        self.columns = torch.tensor(routing.columns, dtype=torch.int64, device=device)
+        self.inverse = None
+        if not routing.additive:
+            self.inverse = torch.empty_like(self.columns)
+            self.inverse[self.columns] = torch.arange(self.columns.numel(), device=device)
+
+    def place(self, received: torch.Tensor) -> torch.Tensor:
+        """[B, len(columns)] in (rank 0..W-1, replicas) column order -> [B, total_dim]."""
+        if self.inverse is not None:
+            return received.index_select(1, self.inverse)
+        out = received.new_zeros(received.shape[0], self.routing.total_dim)
+        return out.index_add(1, self.columns, received)
+
+
+def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch, pooled: torch.Tensor,
+                group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
+                grad_scale: float = 1.0) -> Awaitable[KeyedTensor]:
+    """Launch the exchange of ``pooled`` ([sum(batch_sizes), dims_on[rank] + replica_dim], from the
+    fused lookup of ``local``); ``wait()`` gives the KeyedTensor of this rank's samples."""
+    rank, sizes = local.rank, local.batch_sizes
+    width = routing.dims_on[rank]
+    model_parallel = pooled[:, :width] if routing.replica_dim else pooled
+    send = [b * width for b in sizes]
+    recv = [sizes[rank] * routing.dims_on[r] for r in range(routing.world_size)]
+    exchange = differentiable_all_to_all(model_parallel.reshape(-1), send, recv, group, stats, "output_dist",
+                                         grad_scale=grad_scale)
+    own = sizes[rank]
+
+    def finish() -> KeyedTensor:
+        flat = exchange.wait()
+        blocks = list(flat.split(recv))
+        parts = [block.view(own, routing.dims_on[r]) for r, block in enumerate(blocks) if routing.dims_on[r]]
+        if routing.replica_dim:
+            offset = local.sample_offset(rank)
+            parts.append(pooled[offset : offset + own, width:])
+        received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        return KeyedTensor(routing.feature_names, routing.feature_dims, placement.place(received))
+
+    return Awaitable([], finish)

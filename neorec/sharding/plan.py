@@ -1,0 +1,209 @@
+"""``ShardingPlan``: where every piece of every embedding table lives, as plain data (JSON).
+
+    plan = ShardingPlan({
+        "t_user": TablePlan(ShardingType.TABLE_WISE, [Shard(rank=1, row_start=0, row_end=1000,
+                                                              col_start=0, col_end=16)]),
+        "t_item": TablePlan(ShardingType.ROW_WISE, [Shard(0, 0, 2500, 0, 16), Shard(1, 2500, 5000, 0, 16)]),
+        "t_age": TablePlan(ShardingType.DATA_PARALLEL, []),
+    }, world_size=2)
+    plan.validate(tables, world_size=2)        # ValueError naming the table and the problem
+    ShardingPlan.from_json(plan.to_json()) == plan
+
+A shard is a block [row_start, row_end) x [col_start, col_end) of one table, held by one rank.
+What a sharding type allows:
+
+- TABLE_WISE: one shard, the whole table.
+- ROW_WISE: full-width shards whose row ranges tile the rows (no gap, no overlap).
+- COLUMN_WISE: full-height shards whose column ranges tile the columns.
+- TABLE_ROW_WISE / TABLE_COLUMN_WISE: ROW_WISE / COLUMN_WISE with every shard on one node
+  (node of a rank = rank // ranks_per_node).
+- DATA_PARALLEL: a replica on every rank: no shards listed (or one full shard per rank).
+
+``precision`` (optional, per table) is kept for the planner; a sharded collection today stores all
+tables of a rank in one fused module and so one precision (see ``sharded_collection.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from neorec.embedding.config import PRECISIONS, TableConfig
+
+
+class ShardingType(str, Enum):
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    DATA_PARALLEL = "data_parallel"
+    TABLE_ROW_WISE = "table_row_wise"
+    TABLE_COLUMN_WISE = "table_column_wise"
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "") -> "ShardingType":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            allowed = [t.value for t in cls]
+            raise ValueError(f"sharding plan{where}: unknown sharding type {value!r}; allowed: {allowed}") from None
+
+    @property
+    def splits_rows(self) -> bool:
+        """Shards hold row ranges whose pooled partial sums add up (RW, TWRW)."""
+        return self in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+    @property
+    def splits_columns(self) -> bool:
+        return self in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows [row_start, row_end) and columns [col_start, col_end) of a table, held by ``rank``."""
+
+    rank: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def num_cols(self) -> int:
+        return self.col_end - self.col_start
+
+    def to_dict(self) -> Dict[str, int]:
+        return {"rank": self.rank, "row_start": self.row_start, "row_end": self.row_end,
+                "col_start": self.col_start, "col_end": self.col_end}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "") -> "Shard":
+        keys = ("rank", "row_start", "row_end", "col_start", "col_end")
+        if not isinstance(data, Mapping) or set(data) != set(keys):
+            raise ValueError(f"sharding plan{where}: a shard must be an object with exactly the keys {list(keys)}, "
+                             f"got {data!r}")
+        bad = [k for k in keys if not isinstance(data[k], int) or isinstance(data[k], bool)]
+        if bad:
+            raise ValueError(f"sharding plan{where}: shard fields {bad} must be integers, got {dict(data)}")
+        return cls(**{k: int(data[k]) for k in keys})
+
+
+@dataclass
+class TablePlan:
+    """How one table is sharded: its type, its shards (empty for DATA_PARALLEL) and an optional
+    storage precision ("fp32", "fp16", "bf16"; None = the collection's)."""
+
+    sharding_type: ShardingType
+    shards: List[Shard] = field(default_factory=list)
+    precision: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.sharding_type = ShardingType.parse(self.sharding_type)
+        self.shards = list(self.shards)
+
+    def ranks(self, world_size: int) -> List[int]:
+        """Ranks holding a piece (every rank for DATA_PARALLEL)."""
+        if self.sharding_type == ShardingType.DATA_PARALLEL:
+            return list(range(world_size))
+        return sorted({s.rank for s in self.shards})
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"sharding_type": self.sharding_type.value, "shards": [s.to_dict() for s in self.shards],
+                "precision": self.precision}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "") -> "TablePlan":
+        if not isinstance(data, Mapping) or "sharding_type" not in data:
+            raise ValueError(f"sharding plan{where}: a table entry must be an object with 'sharding_type', got {data!r}")
+        extra = set(data) - {"sharding_type", "shards", "precision"}
+        if extra:
+            raise ValueError(f"sharding plan{where}: unknown keys {sorted(extra)}; allowed: sharding_type, shards, precision")
+        shards = data.get("shards", [])
+        if not isinstance(shards, list):
+            raise ValueError(f"sharding plan{where}: 'shards' must be a list, got {shards!r}")
+        return cls(ShardingType.parse(data["sharding_type"], where), [Shard.from_dict(s, where) for s in shards],
+                   data.get("precision"))
+
+
+@dataclass
+class ShardingPlan:
+    """Per-table plans for a world of ``world_size`` ranks, ``ranks_per_node`` per node (default:
+    all ranks on one node)."""
+
+    tables: Dict[str, TablePlan]
+    world_size: int
+    ranks_per_node: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.tables = dict(self.tables)
+        if self.ranks_per_node is None:
+            self.ranks_per_node = self.world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // int(self.ranks_per_node)
+
+    # ------------------------------------------------------------------------------ JSON
+    def to_dict(self) -> Dict[str, Any]:
+        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "tables": {name: plan.to_dict() for name, plan in self.tables.items()}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ShardingPlan":
+        if not isinstance(data, Mapping) or "tables" not in data or "world_size" not in data:
+            raise ValueError("sharding plan: expected an object with 'world_size' and 'tables' (and optionally "
+                             "'ranks_per_node')")
+        extra = set(data) - {"world_size", "ranks_per_node", "tables"}
+        if extra:
+            raise ValueError(f"sharding plan: unknown keys {sorted(extra)}; allowed: world_size, ranks_per_node, tables")
+        for key in ("world_size", "ranks_per_node"):
+            value = data.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"sharding plan: {key} must be an integer, got {value!r}")
+        if not isinstance(data["tables"], Mapping):
+            raise ValueError("sharding plan: 'tables' must map table names to table plans")
+        tables = {str(name): TablePlan.from_dict(entry, f" (table {name!r})") for name, entry in data["tables"].items()}
+        return cls(tables, int(data["world_size"]), data.get("ranks_per_node"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"sharding plan: not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON atomically (temp file, fsync, rename)."""
+        from neorec.sharding.files import write_atomic
+
+        write_atomic(Path(path), self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ShardingPlan":
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"sharding plan file {str(p)!r} not found")
+        try:
+            return cls.from_json(p.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {p})") from None
+
+    # ------------------------------------------------------------------------------ validation
+    def validate(self, tables: Sequence[TableConfig], world_size: Optional[int] = None) -> "ShardingPlan":
+        """Check the plan against ``tables`` and the world; raise ValueError naming the table and
+        the problem. Returns self."""
+        from neorec.sharding.validation import validate_plan
+
+        validate_plan(self, tables, self.world_size if world_size is None else world_size)
+        return self

@@ -1,0 +1,176 @@
+"""``ShardedEmbeddingBagCollection``: an ``EmbeddingBagCollection`` whose tables are spread over the
+ranks of a process group by a ``ShardingPlan`` (4D parallelism: table-, row-, column-wise and data
+parallel, plus table-row-wise and table-column-wise).
+
+    collection = ShardedEmbeddingBagCollection(tables, plan, process_group, optimizer, storage)
+    pooled = collection(kjt)     # kjt: this rank's B samples -> KeyedTensor [B, sum of dims]
+
+forward = input_dist(kjt) -> wait -> compute -> output_dist -> wait; each step is public so that a
+pipeline can overlap the exchanges with compute. On each rank ALL its pieces, whatever their
+sharding type, and its replicas of the data-parallel tables live in ONE ``TableBatchedEmbeddingBags``
+looked up by one fused call (Neo's hybrid kernel fusion).
+
+Gradients. Each rank's loss is taken to be 1 / world of the global objective (the trainer scales
+it so), so the pooled gradients that come back to a piece from all ranks are summed and scaled by
+1 / world before the fused optimizer applies them; a replica's dense gradient is averaged over the
+ranks (all-reduce) and then applied. Both match single-process training on the global batch.
+
+Row-wise AdaGrad on column pieces: its per-row statistic is the mean of g^2 over the piece's
+columns, not over the full row, so COLUMN_WISE / TABLE_COLUMN_WISE tables with row-wise AdaGrad
+train like a model whose table is cut into per-piece tables (exact for the other optimizers).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.tbe import TableBatchedEmbeddingBags
+from neorec.sharding.comm import Awaitable, CommStats, all_reduce_mean_reducer
+from neorec.sharding.input_dist import LocalBatch, input_dist
+from neorec.sharding.output_dist import OutputPlacement, output_dist
+from neorec.sharding.plan import ShardingPlan, ShardingType
+from neorec.sharding.routing import Routing
+from neorec.sparse.jagged import KeyedJaggedTensor
+from neorec.sparse.keyed import KeyedTensor
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Sharded pooled embeddings; same output as ``EmbeddingBagCollection(tables)``.
+
+    Args:
+        tables: the model's tables (as for ``EmbeddingBagCollection``).
+        plan: a ``ShardingPlan`` for these tables and this group's world size (validated here).
+        process_group: the group the ranks of the plan belong to (plan rank = group rank).
+        optimizer, storage: of the fused module (one precision per rank: a table's plan
+            ``precision``, if set, must equal ``storage.precision``).
+        device: where this rank's buffers live (its CUDA device under NCCL).
+        init_seed: init of the local module (``shard()`` overwrites it with the unsharded weights).
+        comm_stats: counts the bytes this rank hands to each collective (optional).
+
+    Attributes:
+        feature_names / embedding_dims: output keys and widths (as ``EmbeddingBagCollection``).
+        tbe: this rank's fused module (None when it holds no piece and no replica).
+        routing: the static plan routing (``routing.py``).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        process_group: Optional[dist.ProcessGroup],
+        optimizer: SparseOptimizerConfig = SparseOptimizerConfig(),
+        storage: StorageConfig = StorageConfig(),
+        device: Optional[torch.device | str] = None,
+        init_seed: int = 0,
+        comm_stats: Optional[CommStats] = None,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise ValueError("ShardedEmbeddingBagCollection needs torch.distributed to be initialized "
+                             "(init_process_group) first")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.routing = Routing(tables, plan, self.world_size)
+        self.plan = plan
+        for name, entry in plan.tables.items():
+            if entry.precision is not None and entry.precision != storage.precision:
+                raise ValueError(
+                    f"sharding plan: table {name!r} asks for precision {entry.precision!r} but the embeddings are "
+                    f"stored in {storage.precision!r}; one rank's fused module holds one precision (set "
+                    f"embedding.storage.precision, or drop the table's precision from the plan)")
+        self.tables: List[TableConfig] = list(self.routing.tables)
+        self.feature_names: List[str] = list(self.routing.feature_names)
+        self.embedding_dims: List[int] = list(self.routing.feature_dims)
+        self.comm_stats = comm_stats
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        local_tables = self.routing.local_tables(self.rank)
+        self.tbe: Optional[TableBatchedEmbeddingBags] = None
+        if local_tables:
+            self.tbe = TableBatchedEmbeddingBags(
+                local_tables, optimizer, storage, device=self.device, init_seed=init_seed,
+                dense_gradient_tables=[t.name for t in self.routing.replicas],
+                gradient_reducer=all_reduce_mean_reducer(process_group, comm_stats),
+            )
+        self._placement = OutputPlacement(self.routing, self.device)
+
+    # ------------------------------------------------------------------------------ info
+    def embedding_dim_per_feature(self) -> Dict[str, int]:
+        return dict(zip(self.feature_names, self.embedding_dims))
+
+    @property
+    def total_dim(self) -> int:
+        return sum(self.embedding_dims)
+
+    # ------------------------------------------------------------------------------ forward
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[LocalBatch]:
+        """Launch the id exchange of this rank's ``features``; ``wait()`` -> its LocalBatch."""
+        if features.values.device != self.device:
+            raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {self.device}")
+        return input_dist(self.routing, self.rank, features, self.process_group, self.comm_stats)
+
+    def compute(self, local: LocalBatch) -> torch.Tensor:
+        """One fused lookup of all local pieces and replicas:
+        [sum(batch_sizes), dims_on[rank] + replica_dim] fp32."""
+        if self.tbe is None:
+            return torch.zeros(sum(local.batch_sizes), 0, device=self.device)
+        return self.tbe(local.features).values
+
+    def output_dist(self, local: LocalBatch, pooled: torch.Tensor) -> Awaitable[KeyedTensor]:
+        """Launch the return of the pooled rows; ``wait()`` -> KeyedTensor of this rank's samples."""
+        return output_dist(self.routing, self._placement, local, pooled, self.process_group, self.comm_stats,
+                           grad_scale=1.0 / self.world_size)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """``features``: this rank's samples (keys ⊇ feature_names). Returns values [B, total_dim]."""
+        local = self.input_dist(features).wait()
+        return self.output_dist(local, self.compute(local)).wait()
+
+    # ------------------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_table_weight(self, name: str, weight: torch.Tensor) -> None:
+        """Copy this rank's pieces (and replica) of table ``name`` from the full ``weight``
+        [rows, dim]. Local: every rank calls it with the same full table."""
+        table = self._table(name)
+        if tuple(weight.shape) != (table.num_embeddings, table.embedding_dim):
+            raise ValueError(f"load_table_weight({name!r}): expected shape "
+                             f"{(table.num_embeddings, table.embedding_dim)}, got {tuple(weight.shape)}")
+        for piece in self.routing.shards_on[self.rank]:
+            if piece.table.name == name:
+                s = piece.shard
+                self.tbe.set_table_weight(piece.config.name, weight[s.row_start : s.row_end, s.col_start : s.col_end])
+        if self.plan.tables[name].sharding_type == ShardingType.DATA_PARALLEL:
+            self.tbe.set_table_weight(name, weight)
+
+    @torch.no_grad()
+    def full_table_weight(self, name: str) -> torch.Tensor:
+        """fp32 [rows, dim] of table ``name`` gathered from all ranks (a collective: every rank must
+        call it, for the same tables in the same order). Replicas come from rank 0."""
+        table = self._table(name)
+        full = torch.zeros(table.num_embeddings, table.embedding_dim, device=self.device)
+        for piece in self.routing.shards_on[self.rank]:
+            if piece.table.name == name:
+                s = piece.shard
+                full[s.row_start : s.row_end, s.col_start : s.col_end] = self.tbe.get_table_weight(piece.config.name)
+        if self.plan.tables[name].sharding_type == ShardingType.DATA_PARALLEL and self.rank == 0:
+            full.copy_(self.tbe.get_table_weight(name))
+        if self.world_size > 1:
+            dist.all_reduce(full, group=self.process_group)
+        return full
+
+    def _table(self, name: str) -> TableConfig:
+        for table in self.tables:
+            if table.name == name:
+                return table
+        raise ValueError(f"no table named {name!r}; tables are {[t.name for t in self.tables]}")
+
+    def extra_repr(self) -> str:
+        kinds = {}
+        for name, entry in self.plan.tables.items():
+            kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
+        return f"rank={self.rank}/{self.world_size}, tables by type={kinds}"

@@ -1,0 +1,168 @@
+"""Multi-process training support: the process group from torchrun's environment, per-rank batch
+slices, the data-parallel dense layers, the loss scale and the evaluation gather.
+
+    torchrun --nproc-per-node 2 -m neorec train --config configs/tiny.toml
+    neorec train --config configs/tiny.toml --nproc 2          # starts the 2 processes itself
+    # two nodes (here: two agents on one machine over loopback)
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29400 -m neorec train ...     # and --node-rank 1 on the other
+
+Batches: ``data.batch_size`` is per rank. Every rank reads the same global batch of
+world * batch_size samples and keeps rows [N * r // W, N * (r + 1) // W) (exactly r*B..(r+1)*B when
+the batch is full). The last global batch of an epoch may be smaller: it is split as evenly as
+possible (a rank may get no sample), nothing is dropped, and all ranks take the same number of
+steps. Each rank's loss is sum(BCE over its samples) * W / N, so that the data-parallel average of
+the dense gradients and the 1 / W scale of the embedding gradients give exactly the gradient of the
+mean loss over the global batch of N samples, whatever the split.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from neorec.data.batch import Batch
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+ENV_KEYS = ("RANK", "WORLD_SIZE")
+DEFAULT_TIMEOUT_SECONDS = 600
+
+
+def launched_by_torchrun(environ: Optional[dict] = None) -> bool:
+    """True when RANK and WORLD_SIZE are set (torchrun, or ``neorec train --nproc``)."""
+    environ = os.environ if environ is None else environ
+    return all(k in environ for k in ENV_KEYS)
+
+
+@dataclass
+class DistributedContext:
+    """This process's place in the job and its process groups (pass it; nothing is global).
+
+    embedding_group: collectives of the sharded embeddings; dense_group: DistributedDataParallel's
+    all-reduces (a separate group, so the two never interleave on one communicator).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    embedding_group: Any
+    dense_group: Any
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: str = "auto", timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> "DistributedContext":
+        """Join the job described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+        LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): NCCL on ``cuda:LOCAL_RANK`` when the device
+        is (or "auto" finds) CUDA, gloo on CPU otherwise."""
+        if not launched_by_torchrun():
+            raise ValueError("distributed training needs RANK and WORLD_SIZE in the environment: start it with "
+                             "torchrun or `neorec train --nproc N`")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            if not torch.cuda.is_available():
+                raise ValueError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+            torch_device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(torch_device)
+            backend = "nccl"
+        else:
+            torch_device, backend = torch.device("cpu"), "gloo"
+        timeout = timedelta(seconds=timeout_seconds)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        dense_group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
+        return cls(rank, world, local_rank, local_world, backend, torch_device, dist.group.WORLD, dense_group)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- batches
+def rank_range(num_samples: int, rank: int, world_size: int) -> Tuple[int, int]:
+    """[lo, hi) of a global batch of ``num_samples`` that rank ``rank`` trains on."""
+    return num_samples * rank // world_size, num_samples * (rank + 1) // world_size
+
+
+def slice_samples(features: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
+    """Samples [lo, hi) of every key of ``features``."""
+    batch, keys = features.batch_size, features.keys()
+    offsets = features.offsets().tolist()
+    starts = [offsets[k * batch + lo] for k in range(len(keys))]
+    ends = [offsets[k * batch + hi] for k in range(len(keys))]
+    values = [features.values[s:e] for s, e in zip(starts, ends)]
+    weights = None
+    if features.weights is not None:
+        weights = torch.cat([features.weights[s:e] for s, e in zip(starts, ends)]) if keys else features.weights[:0]
+    return KeyedJaggedTensor(
+        keys, torch.cat(values) if keys else features.values[:0],
+        features.lengths_2d()[:, lo:hi].reshape(-1), weights, batch_size=hi - lo, validate=False,
+    )
+
+
+def split_batch(batch: Batch, rank: int, world_size: int) -> Batch:
+    """This rank's part of a global batch (see the module docstring)."""
+    lo, hi = rank_range(batch.batch_size, rank, world_size)
+    return Batch(batch.dense[lo:hi], slice_samples(batch.sparse, lo, hi), batch.labels[lo:hi])
+
+
+# ---------------------------------------------------------------------------------- model, loss
+def wrap_data_parallel(model: nn.Module, group: Any, device: torch.device) -> DistributedDataParallel:
+    """DistributedDataParallel over ``model``'s dense layers; the buffers and parameters of its
+    ``sparse_arch`` (the sharded embeddings) are ignored by DDP (never broadcast nor reduced)."""
+    ignored = [name for name, _ in model.named_parameters() if name.startswith("sparse_arch.")]
+    ignored += [name for name, _ in model.named_buffers() if name.startswith("sparse_arch.")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    options = {"process_group": group}
+    if device.type == "cuda":
+        options["device_ids"] = [device]
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        options["forward_sync_buffers"] = False  # the dense layers' buffers are constants
+    else:  # pragma: no cover - torch < 2.13
+        options["broadcast_buffers"] = False
+    return DistributedDataParallel(model, **options)
+
+
+def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch_size: int, world_size: int) -> torch.Tensor:
+    """This rank's share of the global mean BCE loss, times ``world_size`` (see the module
+    docstring): sum of BCE over the local samples * world_size / global_batch_size."""
+    total = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+    return total * (world_size / global_batch_size)
+
+
+def all_reduce_sum(value: float, group: Any, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, group=group)
+    return float(tensor)
+
+
+def gather_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Concatenate the 1-D ``tensor`` of every rank (sizes may differ), in rank order."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    counts = [int(s) for s in sizes]
+    if max(counts) == 0:
+        return tensor[:0]
+    padded = tensor.new_zeros(max(counts))
+    padded[: tensor.numel()] = tensor
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)])

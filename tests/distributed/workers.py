@@ -1,0 +1,82 @@
+"""Rank functions of the distributed tests (imported by the spawned processes)."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from neorec.model import dense_named_parameters, dense_parameters
+from neorec.sharding import CommStats, shard
+from neorec.train.distributed import local_loss, split_batch, wrap_data_parallel
+
+import cases
+
+DENSE = {"sgd": ("sgd", 0.1), "rowwise_adagrad": ("adagrad", 0.05)}
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _dense_optimizer(kind: str, params):
+    name, lr = DENSE[kind]
+    return torch.optim.SGD(params, lr=lr) if name == "sgd" else torch.optim.Adagrad(params, lr=lr)
+
+
+def run_case(rank: int, world: int, group, dense_group, kind: str, sparse_kind: str, weighted: bool) -> None:
+    """Train the sharded model and the single-process reference side by side; assert equality."""
+    plan = cases.make_plan(kind, world)
+    reference = cases.build_model(sparse_kind)
+    if cases.needs_piece_reference(plan, sparse_kind):
+        reference.sparse_arch = cases.PieceSplitCollection(cases.make_tables(), plan, reference.sparse_arch.tbe.optimizer,
+                                                           reference.sparse_arch)
+    model = shard(cases.build_model(sparse_kind), plan, group, CommStats())
+    ddp = wrap_data_parallel(model, dense_group, torch.device("cpu"))
+    ref_optimizer = _dense_optimizer(sparse_kind, dense_parameters(reference))
+    optimizer = _dense_optimizer(sparse_kind, dense_parameters(ddp))
+    for step, size in enumerate(cases.batch_sizes(world)):
+        batch = cases.global_batch(step, size, weighted)
+        ref_logits = reference(batch.dense, batch.sparse)
+        ref_loss = torch.nn.functional.binary_cross_entropy_with_logits(ref_logits, batch.labels)
+        ref_optimizer.zero_grad()
+        ref_loss.backward()
+        ref_optimizer.step()
+
+        local = split_batch(batch, rank, world)
+        logits = ddp(local.dense, local.sparse)
+        loss = local_loss(logits, local.labels, size, world)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        lo = size * rank // world
+        torch.testing.assert_close(logits, ref_logits[lo : lo + local.batch_size].detach(), **TOLERANCE,
+                                   msg=lambda m: f"step {step} predictions: {m}")
+    for table in cases.make_tables():
+        full = model.sparse_arch.full_table_weight(table.name)
+        torch.testing.assert_close(full, cases.reference_table(reference, table.name), **TOLERANCE,
+                                   msg=lambda m: f"table {table.name}: {m}")
+    ref_params = dict(dense_named_parameters(reference))
+    for name, param in dense_named_parameters(ddp):
+        torch.testing.assert_close(param, ref_params[name.removeprefix("module.")], **TOLERANCE,
+                                   msg=lambda m: f"dense {name}: {m}")
+    with torch.no_grad():  # predictions of the trained models on a fresh batch
+        batch = cases.global_batch(99, world * cases.LOCAL_BATCH + 1, weighted)
+        local = split_batch(batch, rank, world)
+        lo = batch.batch_size * rank // world
+        torch.testing.assert_close(ddp(local.dense, local.sparse),
+                                   reference(batch.dense, batch.sparse)[lo : lo + local.batch_size], **TOLERANCE)
+
+
+def equivalence(rank: int, world: int, group, selected: List[Tuple[str, str, bool]]) -> Dict[str, str]:
+    """Every (sharding kind, sparse optimizer, weighted) case; returns {case: "ok" or the error}."""
+    dense_group = dist.new_group(list(range(world)))
+    results = {}
+    for kind, sparse_kind, weighted in selected:
+        name = f"{kind}-{sparse_kind}-{'weighted' if weighted else 'unweighted'}"
+        try:
+            run_case(rank, world, group, dense_group, kind, sparse_kind, weighted)
+            results[name] = "ok"
+        except AssertionError:
+            results[name] = traceback.format_exc(limit=2)[-3000:]
+        dist.barrier(group)  # a failed comparison on one rank leaves the others in step
+    return results
