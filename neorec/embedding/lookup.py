@@ -138,9 +138,16 @@ def _prepare_group(layout: TableLayout, group: DimGroup, group_index: int, featu
         uniform = len(set(group.feature_num_rows)) == 1
         limit = group.feature_num_rows[0] if uniform else consts["num_rows"].index_select(0, feature_of_value)
         shift = consts["row_offsets"].index_select(0, feature_of_value)
-    bad = values.lt(0).logical_or_(values.ge(limit))
-    if bool(bad.any()):
-        _raise_bad_id(layout, first, values, value_starts, bad)
+    if num_values:
+        if isinstance(limit, int):  # one bound for the whole group: one pass, per-value test on failure
+            low, high = values.aminmax()
+            suspect = bool(low < 0) or bool(high >= limit)
+        else:
+            suspect = True
+        if suspect:
+            bad = values.lt(0).logical_or_(values.ge(limit))
+            if bool(bad.any()):
+                _raise_bad_id(layout, first, values, value_starts, bad)
     rows = (values + shift).to(index_dtype)
 
     weights = None if features.weights is None else features.weights[lo:hi].to(torch.float32)

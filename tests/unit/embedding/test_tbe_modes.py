@@ -129,6 +129,11 @@ def test_out_of_range_and_negative_ids_are_rejected():
         assert f"'{feature}'" in message and f"'{table}'" in message and str(bad_id) in message
         assert f"[0, {rows})" in message
     fused(KeyedJaggedTensor(keys, good, lengths))  # the boundary ids are fine
+    shared = TableBatchedEmbeddingBags([TableConfig("x", 10, 4, ["p", "q"]), TableConfig("y", 10, 4)],
+                                       SparseOptimizerConfig())  # one bound for the whole group
+    for values, feature in [([1, 2, 10, 0], "q"), ([1, -3, 2, 0], "p"), ([1, 2, 3, 11], "y")]:
+        with pytest.raises(ValueError, match=f"feature '{feature}'.*outside the table's rows \\[0, 10\\)"):
+            shared(KeyedJaggedTensor(["p", "q", "y"], torch.tensor(values), torch.tensor([1, 1, 1, 0, 0, 1])))
 
 
 def test_missing_feature_and_bad_tables_are_rejected():
