@@ -23,11 +23,14 @@ def _dense_optimizer(kind: str, params):
     return torch.optim.SGD(params, lr=lr) if name == "sgd" else torch.optim.Adagrad(params, lr=lr)
 
 
-def run_case(rank: int, world: int, group, dense_group, kind: str, sparse_kind: str, weighted: bool) -> None:
-    """Train the sharded model and the single-process reference side by side; assert equality."""
+def run_case(rank: int, world: int, group, dense_group, kind: str, sparse_kind: str, weighted: bool,
+             plain_reference: bool = False) -> None:
+    """Train the sharded model and the single-process reference side by side; assert equality.
+    The reference is the unsharded model, or for column pieces under row-wise AdaGrad the
+    piece-split one (``cases.PieceSplitCollection``) unless ``plain_reference``."""
     plan = cases.make_plan(kind, world)
     reference = cases.build_model(sparse_kind)
-    if cases.needs_piece_reference(plan, sparse_kind):
+    if cases.needs_piece_reference(plan, sparse_kind) and not plain_reference:
         reference.sparse_arch = cases.PieceSplitCollection(cases.make_tables(), plan, reference.sparse_arch.tbe.optimizer,
                                                            reference.sparse_arch)
     model = shard(cases.build_model(sparse_kind), plan, group, CommStats())
@@ -67,14 +70,19 @@ def run_case(rank: int, world: int, group, dense_group, kind: str, sparse_kind: 
                                    reference(batch.dense, batch.sparse)[lo : lo + local.batch_size], **TOLERANCE)
 
 
-def equivalence(rank: int, world: int, group, selected: List[Tuple[str, str, bool]]) -> Dict[str, str]:
-    """Every (sharding kind, sparse optimizer, weighted) case; returns {case: "ok" or the error}."""
+def case_name(kind: str, sparse_kind: str, weighted: bool, plain_reference: bool = False) -> str:
+    return f"{kind}-{sparse_kind}{'-weighted' if weighted else ''}{'-plain_reference' if plain_reference else ''}"
+
+
+def equivalence(rank: int, world: int, group, selected: List[Tuple[str, str, bool, bool]]) -> Dict[str, str]:
+    """Every (sharding kind, sparse optimizer, weighted, plain reference) case; returns
+    {case name: "ok" or the assertion's traceback}."""
     dense_group = dist.new_group(list(range(world)))
     results = {}
-    for kind, sparse_kind, weighted in selected:
-        name = f"{kind}-{sparse_kind}-{'weighted' if weighted else 'unweighted'}"
+    for kind, sparse_kind, weighted, plain in selected:
+        name = case_name(kind, sparse_kind, weighted, plain)
         try:
-            run_case(rank, world, group, dense_group, kind, sparse_kind, weighted)
+            run_case(rank, world, group, dense_group, kind, sparse_kind, weighted, plain)
             results[name] = "ok"
         except AssertionError:
             results[name] = traceback.format_exc(limit=2)[-3000:]
