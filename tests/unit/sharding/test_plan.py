@@ -1,0 +1,160 @@
+"""ShardingPlan: JSON round trip, validation errors (naming the table and the problem), builders,
+default_plan; the static routing. No process group.
+
+    python -m pytest tests/unit/sharding -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from neorec.embedding import TableConfig
+from neorec.sharding import (
+    Shard,
+    ShardingPlan,
+    ShardingType,
+    TablePlan,
+    column_wise,
+    data_parallel,
+    default_plan,
+    row_wise,
+    table_wise,
+)
+from neorec.sharding.input_dist import _permute_blocks
+from neorec.sharding.routing import Routing
+
+TABLES = [
+    TableConfig("a", 10, 4, ["fa1", "fa2"]),
+    TableConfig("b", 6, 8, ["fb"], pooling="mean"),
+    TableConfig("c", 3, 2, ["fc"]),
+]
+
+
+def good_plan(world: int = 4) -> ShardingPlan:
+    return ShardingPlan({
+        "a": row_wise(TABLES[0], [0, 1], node_local=True),
+        "b": column_wise(TABLES[1], [3, 2, 1]),
+        "c": data_parallel(),
+    }, world, ranks_per_node=2)
+
+
+def test_json_round_trip_and_file(tmp_path):
+    plan = good_plan()
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan
+    assert json.loads(plan.to_json())["tables"]["a"]["sharding_type"] == "table_row_wise"
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert ShardingPlan.load(path) == plan
+    assert plan.validate(TABLES, 4) is plan
+
+
+def test_builders():
+    assert table_wise(TABLES[0], 2).shards == [Shard(2, 0, 10, 0, 4)]
+    assert [(s.row_start, s.row_end) for s in row_wise(TABLES[0], [0, 1, 2]).shards] == [(0, 3), (3, 6), (6, 10)]
+    assert [(s.col_start, s.col_end) for s in column_wise(TABLES[1], [0, 1], widths=[2, 6]).shards] == [(0, 2), (2, 8)]
+    with pytest.raises(ValueError, match="widths"):
+        column_wise(TABLES[1], [0, 1], widths=[4, 5])
+    with pytest.raises(ValueError, match="cannot split 3 into 4"):
+        row_wise(TABLES[2], [0, 1, 2, 3])
+
+
+def replace(plan: ShardingPlan, name: str, entry: TablePlan) -> ShardingPlan:
+    tables = dict(plan.tables)
+    tables[name] = entry
+    return ShardingPlan(tables, plan.world_size, plan.ranks_per_node)
+
+
+RW = ShardingType.ROW_WISE
+CW = ShardingType.COLUMN_WISE
+BAD = [
+    ("missing table", lambda p: ShardingPlan({k: v for k, v in p.tables.items() if k != "b"}, 4, 2),
+     r"tables \['b'\] are not covered"),
+    ("unknown table", lambda p: replace(p, "zz", data_parallel()), r"unknown tables \['zz'\]"),
+    ("world mismatch", lambda p: ShardingPlan(p.tables, 2, 2), "written for world_size 2"),
+    ("rank outside", lambda p: replace(p, "c", table_wise(TABLES[2], 4)), r"table 'c' \(table_wise\).*rank 4, outside"),
+    ("overlap", lambda p: replace(p, "a", TablePlan(RW, [Shard(0, 0, 6, 0, 4), Shard(1, 5, 10, 0, 4)])),
+     r"table 'a' \(row_wise\): row ranges overlap at row 5"),
+    ("gap", lambda p: replace(p, "a", TablePlan(RW, [Shard(0, 0, 4, 0, 4), Shard(1, 5, 10, 0, 4)])),
+     r"table 'a' \(row_wise\): rows \[4, 5\) are in no shard"),
+    ("short", lambda p: replace(p, "a", TablePlan(RW, [Shard(0, 0, 4, 0, 4)])), r"rows \[4, 10\) are in no shard"),
+    ("rw partial columns", lambda p: replace(p, "a", TablePlan(RW, [Shard(0, 0, 10, 0, 2)])),
+     "must span all 4 columns"),
+    ("cw gap", lambda p: replace(p, "b", TablePlan(CW, [Shard(0, 0, 6, 0, 3), Shard(1, 0, 6, 4, 8)])),
+     r"table 'b' \(column_wise\): columns \[3, 4\) are in no shard"),
+    ("cw partial rows", lambda p: replace(p, "b", TablePlan(CW, [Shard(0, 0, 5, 0, 8)])), "must span all 6 rows"),
+    ("tw two shards", lambda p: replace(p, "c", TablePlan("table_wise", [Shard(0, 0, 3, 0, 2), Shard(1, 0, 3, 0, 2)])),
+     "exactly one shard"),
+    ("tw partial", lambda p: replace(p, "c", TablePlan("table_wise", [Shard(0, 0, 2, 0, 2)])), "exactly one shard"),
+    ("twrw across nodes", lambda p: replace(p, "a", row_wise(TABLES[0], [1, 2], node_local=True)),
+     r"table 'a' \(table_row_wise\): shards span nodes \[0, 1\]"),
+    ("twcw across nodes", lambda p: replace(p, "b", column_wise(TABLES[1], [0, 3], node_local=True)),
+     "shards span nodes"),
+    ("dp partial", lambda p: replace(p, "c", TablePlan("data_parallel", [Shard(0, 0, 3, 0, 2)])),
+     "one full-table shard on every rank"),
+    ("empty shard", lambda p: replace(p, "c", TablePlan("table_wise", [Shard(0, 0, 0, 0, 2)])), "empty or outside"),
+    ("outside rows", lambda p: replace(p, "c", TablePlan("table_wise", [Shard(0, 0, 4, 0, 2)])), "empty or outside"),
+    ("no shards", lambda p: replace(p, "c", TablePlan("row_wise", [])), "has no shards"),
+    ("precision", lambda p: replace(p, "c", TablePlan("data_parallel", [], precision="int3")), "precision must be"),
+    ("ranks per node", lambda p: ShardingPlan(p.tables, 4, 3), "ranks_per_node must be >= 1 and divide"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", BAD, ids=[b[0] for b in BAD])
+def test_validation_errors(name, mutate, message):
+    with pytest.raises(ValueError, match=message):
+        mutate(good_plan()).validate(TABLES, 4)
+
+
+def test_json_errors(tmp_path):
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ShardingPlan.from_json("{")
+    with pytest.raises(ValueError, match="unknown sharding type 'diagonal'"):
+        ShardingPlan.from_dict({"world_size": 1, "tables": {"a": {"sharding_type": "diagonal"}}})
+    with pytest.raises(ValueError, match="exactly the keys"):
+        ShardingPlan.from_dict({"world_size": 1, "tables": {"a": {"sharding_type": "table_wise", "shards": [{"rank": 0}]}}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        ShardingPlan.from_dict({"world_size": 1, "tables": {}, "extra": 1})
+    with pytest.raises(ValueError, match="not found"):
+        ShardingPlan.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text('{"world_size": "two", "tables": {}}')
+    with pytest.raises(ValueError, match=r"world_size must be an integer.*bad.json"):
+        ShardingPlan.load(tmp_path / "bad.json")
+
+
+def test_default_plan_balances_and_validates():
+    tables = [TableConfig(f"t{i}", rows, 8) for i, rows in enumerate([500, 1000, 2000, 300])]
+    plan = default_plan(tables, 2)
+    plan.validate(tables, 2)
+    assert plan.tables["t2"].sharding_type == ShardingType.ROW_WISE  # bigger than an even share
+    assert {plan.tables[f"t{i}"].sharding_type for i in (0, 1, 3)} == {ShardingType.TABLE_WISE}
+    loads = [0, 0]
+    for entry in plan.tables.values():
+        for s in entry.shards:
+            loads[s.rank] += s.num_rows * s.num_cols
+    assert abs(loads[0] - loads[1]) <= 500 * 8
+    single = default_plan(tables, 1)
+    assert all(e.shards[0].rank == 0 and e.sharding_type == ShardingType.TABLE_WISE for e in single.tables.values())
+    tiny = [TableConfig("x", 2, 4)]
+    assert [s.rank for s in default_plan(tiny, 4, row_wise_factor=0.1).tables["x"].shards] == [0, 1]
+
+
+def test_routing_columns_and_keys():
+    routing = Routing(TABLES, good_plan(), 4)
+    assert routing.feature_names == ["fa1", "fa2", "fb", "fc"]
+    assert routing.keys_on[0] == ["fa1@0", "fa2@0"] and routing.keys_on[3] == ["fb@0"]
+    assert routing.dims_on == [8, 8 + 3, 3, 2]
+    assert routing.replica_features == ["fc"] and routing.replica_dim == 2
+    assert routing.additive and routing.has_mean
+    assert len(routing.columns) == sum(routing.dims_on) + 2
+    assert [t.name for t in routing.local_tables(1)] == ["a@1", "b@2", "c"]
+
+
+def test_permute_blocks():
+    # blocks ordered (source, key): s0k0=[1], s0k1=[2,3], s1k0=[4,5], s1k1=[]
+    values = torch.tensor([1, 2, 3, 4, 5])
+    out = _permute_blocks(values, torch.tensor([[1, 2], [2, 0]]))
+    assert out.tolist() == [1, 4, 5, 2, 3]
