@@ -52,7 +52,8 @@ class GroupLookup:
     weights: [N] fp32 per-value weights (KJT weights times 1/len for mean pooling) or None.
     batch_major: bag ``b * F_g + f`` is (sample b, feature f); otherwise bag ``f * B + b``.
     After ``sort()``: permutation [N] int64 (stable order by row), unique [U] int64 rows,
-    counts [U], segment_starts [U] int64 (start of each unique row's run in sorted order).
+    counts [U], segment_starts [U] (start of each unique row's run in sorted order;
+    ``position_dtype``: int32 unless there are 2^31 values or bags).
     """
 
     def __init__(self, group: DimGroup, group_index: int, batch_size: int, batch_major: bool,
@@ -62,6 +63,8 @@ class GroupLookup:
         self.batch_size, self.batch_major = batch_size, batch_major
         self.rows, self.offsets, self.lengths, self.weights = rows, offsets, lengths, weights
         self.num_values = rows.numel()
+        # dtype of value positions and bag ids in the backward (int32 is the fast embedding_bag path)
+        self.position_dtype = torch.int32 if max(self.num_values, lengths.numel()) < 2**31 else torch.int64
         self.permutation: Optional[torch.Tensor] = None
 
     def sort(self) -> None:
@@ -69,7 +72,7 @@ class GroupLookup:
             return
         sorted_rows, self.permutation = stable_sort_rows(self.rows, self.group.num_rows)
         self.unique, self.counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-        self.segment_starts = self.counts.cumsum(0).sub_(self.counts)
+        self.segment_starts = self.counts.cumsum(0).sub_(self.counts).to(self.position_dtype)
 
     def inverse(self) -> torch.Tensor:
         """[N] position of each value's row in ``unique`` (dtype of ``rows``)."""
@@ -81,14 +84,14 @@ class GroupLookup:
         return torch.empty_like(segment).index_put_((self.permutation,), segment)
 
     def bags(self) -> torch.Tensor:
-        """[N] int64 row of the [B * F_g, dim] output gradient (row ``b * F_g + f``) that each
-        value's bag feeds."""
-        count, device = self.group.num_features, self.rows.device
+        """[N] row of the [B * F_g, dim] output gradient (row ``b * F_g + f``) that each value's
+        bag feeds (``position_dtype``)."""
+        count, device, dtype = self.group.num_features, self.rows.device, self.position_dtype
         if self.batch_major:
-            bag_rows = torch.arange(count * self.batch_size, device=device)
+            bag_rows = torch.arange(count * self.batch_size, device=device, dtype=dtype)
         else:
-            samples = torch.arange(self.batch_size, device=device).mul_(count)
-            bag_rows = (samples.unsqueeze(0) + torch.arange(count, device=device).unsqueeze(1)).view(-1)
+            samples = torch.arange(self.batch_size, device=device, dtype=dtype).mul_(count)
+            bag_rows = (samples.unsqueeze(0) + torch.arange(count, device=device, dtype=dtype).unsqueeze(1)).view(-1)
         return torch.repeat_interleave(bag_rows, self.lengths, output_size=self.num_values)
 
 

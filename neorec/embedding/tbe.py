@@ -40,7 +40,7 @@ from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
 _INIT_CHUNK = 1 << 22  # elements generated per uniform_ call at init (bounds the fp32 temp)
-_CHUNK_BYTES = 1 << 24  # at most this many bytes of aggregated fp32 row gradients at a time
+_CHUNK_BYTES = 1 << 22  # at most this many bytes of aggregated fp32 row gradients at a time
 
 
 class _FusedLookup(torch.autograd.Function):
