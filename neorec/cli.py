@@ -2,6 +2,8 @@
 
     neorec train                                   # default config, built-in synthetic data
     neorec train --config configs/movielens.toml --set train.epochs=3
+    neorec train --config configs/tiny.toml --nproc 2              # 2 local ranks, sharded embeddings
+    torchrun --nproc-per-node 2 -m neorec train --plan plan.json   # or started by torchrun
     neorec config --config configs/default.toml    # print the resolved config
     neorec data write-criteo /tmp/day_0.tsv --lines 100000
     neorec data preprocess-criteo /tmp/day_0.tsv /tmp/criteo_bin --num-embeddings 100000
@@ -62,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", metavar="DIR",
                        help="where metrics.jsonl and config.json go (same as --set train.output_dir=...)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="train on N local processes (sharded embeddings, data-parallel MLPs; "
+                       "data.batch_size is per process); under torchrun the world comes from torchrun")
+    train.add_argument("--plan", metavar="FILE.json",
+                       help="sharding plan for multi-process training (default: a balanced table-wise / "
+                       "row-wise plan)")
 
     config = sub.add_parser(
         "config", help="print the resolved config as JSON (defaults + --config + --set)",
@@ -100,9 +108,59 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()):
     return load_config(args.config, list(args.overrides) + list(extra))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from neorec.train.distributed import launched_by_torchrun
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.nproc is not None and args.nproc != world:
+            raise ValueError(f"--nproc {args.nproc} but the launcher started WORLD_SIZE={world} processes")
+        return _train_distributed(args)
+    if args.nproc is not None and args.nproc > 1:
+        from neorec.train.launch import launch_local
+
+        return launch_local(args.nproc, list(argv))
+    if args.plan is not None:
+        raise ValueError("--plan needs several processes: add --nproc N or start with torchrun")
     from neorec.train.trainer import Trainer
 
+    cfg = _train_config(args)
+    trainer = Trainer(cfg)
+    _print_header(cfg, trainer)
+    _print_result(trainer.fit())
+    return 0
+
+
+def _train_distributed(args: argparse.Namespace) -> int:
+    from neorec.sharding import ShardingPlan
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    cfg = _train_config(args)
+    plan = ShardingPlan.load(args.plan) if args.plan else None  # before joining: a bad file fails every rank
+    context = DistributedContext.from_env(cfg.train.device)
+    try:
+        trainer = Trainer(cfg, distributed=context, plan=plan)
+        if context.is_main:
+            _print_header(cfg, trainer)
+            kinds: dict = {}
+            for entry in trainer.plan.tables.values():
+                kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
+            summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            print(f"distributed: {context.world_size} ranks ({context.backend}), local batch "
+                  f"{cfg.data.batch_size}, global batch {cfg.data.batch_size * context.world_size}; "
+                  f"tables: {summary}", flush=True)
+        result = trainer.fit()
+        if context.is_main:
+            _print_result(result)
+    finally:
+        context.close()
+    return 0
+
+
+def _train_config(args: argparse.Namespace):
     extra: List[str] = []
     if args.max_steps is not None:
         extra.append(f"train.max_steps={args.max_steps}")
@@ -110,23 +168,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         extra.append(f"train.output_dir={_toml_string(args.output_dir)}")
     if args.no_progress:
         extra.append("train.progress=false")
-    cfg = _load(args, extra)
-    trainer = Trainer(cfg)
+    return _load(args, extra)
+
+
+def _print_header(cfg, trainer) -> None:
     num_params = sum(t.num_embeddings * t.embedding_dim for t in trainer.source.tables(
         cfg.model.embedding_dim, cfg.model.pooling))
     print(f"neorec train: data={cfg.data.source} ({trainer.source.num_train_samples():,} train samples), "
           f"{len(trainer.source.feature_names)} sparse features, {num_params:,} embedding parameters, "
           f"optimizer={cfg.embedding.optimizer.kind}, precision={cfg.embedding.storage.precision}, "
           f"device={trainer.device}", flush=True)
-    result = trainer.fit()
+
+
+def _print_result(result) -> None:
     m = result.final_eval
     print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
           f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
     print(f"training: {result.steps} steps, {result.samples:,} samples in {result.train_seconds:.1f} s, "
           f"QPS {result.qps:,.0f} samples/s")
     if result.metrics_path:
-        print(f"metrics log: {result.metrics_path}")
-    return 0
+        print(f"metrics log: {result.metrics_path}", flush=True)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -154,20 +215,22 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     try:
         if args.command == "train":
-            return cmd_train(args)
+            return cmd_train(args, argv)
         if args.command == "config":
             return cmd_config(args)
         return cmd_data(args, parser)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         if args.traceback or os.environ.get("NEOREC_TRACEBACK"):
             raise
-        print(f"neorec {args.command}: error: {exc}", file=sys.stderr)
+        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
+        print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"neorec {args.command}: interrupted", file=sys.stderr)

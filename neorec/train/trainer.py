@@ -1,6 +1,9 @@
-"""Single-process DLRM training loop with periodic evaluation and a JSON-lines metrics log.
+"""DLRM training loop with periodic evaluation and a JSON-lines metrics log, on one process or,
+given a ``DistributedContext``, on every rank of a job (sharded embeddings, data-parallel MLPs;
+see ``neorec/train/distributed.py``).
 
 Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set train.max_steps=100]``
+(``--nproc N`` or ``torchrun --nproc-per-node N -m neorec train ...`` for N processes)
 
     trainer = Trainer(load_config("configs/tiny.toml"))
     result = trainer.fit()          # result.final_eval["auc"], result.qps
@@ -15,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, TextIO
+from typing import Any, Dict, Iterable, Iterator, Optional, TextIO, Tuple
 
 import torch
 from tqdm import tqdm
@@ -25,7 +28,8 @@ from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
 from neorec.model import DLRM, dense_parameters
-from neorec.train.metrics import MetricsAccumulator
+from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
+from neorec.train.metrics import MetricsAccumulator, compute_metrics
 
 
 class NonFiniteLossError(ValueError):
@@ -110,35 +114,67 @@ class MetricsLog:
 
 
 class Trainer:
-    """Trains ``DLRM`` on one process: forward, BCE loss, backward (the embedding optimizer runs
-    fused inside it), dense optimizer step; evaluates NE / AUC / calibration periodically."""
+    """Trains ``DLRM``: forward, BCE loss, backward (the embedding optimizer runs fused inside it),
+    dense optimizer step; evaluates NE / AUC / calibration periodically.
+
+    With ``distributed`` (a ``DistributedContext``; every rank builds its own Trainer) the
+    embeddings are sharded by ``plan`` (default: ``default_plan``), the MLPs are wrapped in
+    DistributedDataParallel, ``data.batch_size`` is per rank, and only rank 0 prints and writes
+    the metrics log. ``comm_stats`` counts the bytes of the embedding collectives."""
 
     def __init__(
         self,
         cfg: Config,
         source: Optional[DataSource] = None,
         out: Optional[TextIO] = None,
+        distributed: Optional[DistributedContext] = None,
+        plan=None,
+        comm_stats=None,
     ) -> None:
         self.cfg = cfg
         self.out = out if out is not None else sys.stdout
+        self.distributed = distributed
+        self.world_size = distributed.world_size if distributed else 1
+        self.is_main = distributed is None or distributed.is_main
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
-        self.device = resolve_device(cfg.train.device)
+        elif distributed is not None:  # share the cores among the local ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size))
+        self.device = distributed.device if distributed else resolve_device(cfg.train.device)
         self.source = source if source is not None else make_data_source(cfg.data)
         self.model = build_model(cfg, self.source, self.device)
+        self.plan = None
+        if distributed is not None:
+            self._distribute(plan, comm_stats)
         self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.step = 0
         self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
 
+    def _distribute(self, plan, comm_stats) -> None:
+        from neorec.sharding import default_plan, shard
+        from neorec.train.distributed import wrap_data_parallel
+
+        context = self.distributed
+        tables = self.source.tables(self.cfg.model.embedding_dim, self.cfg.model.pooling)
+        self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
+        shard(self.model, self.plan, context.embedding_group, comm_stats)
+        self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
+
     # ------------------------------------------------------------------------------ one step
-    def train_step(self, batch: Batch) -> float:
-        """One optimisation step; returns the batch loss. Raises NonFiniteLossError before any
-        weight changes if the loss is NaN or infinite."""
+    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None) -> float:
+        """One optimisation step; returns the batch loss (distributed: ``batch`` is this rank's
+        part of a global batch of ``global_batch_size`` samples and the loss is the global mean).
+        Raises NonFiniteLossError before any weight changes if the loss is NaN or infinite (on
+        every rank at once)."""
         self.model.train()
         logits = self.model(batch.dense, batch.sparse)
-        loss = self.loss_fn(logits, batch.labels)
-        value = float(loss.detach())
+        if self.distributed is None:
+            loss = self.loss_fn(logits, batch.labels)
+            value = float(loss.detach())
+        else:
+            loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
+            value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group, self.device) / self.world_size
         if not math.isfinite(value):
             raise NonFiniteLossError(
                 f"training loss is {value} at step {self.step}; stopping before the update is applied "
@@ -156,13 +192,20 @@ class Trainer:
         limit = self.cfg.train.eval_max_batches if max_batches is None else max_batches
         self.model.eval()
         acc = MetricsAccumulator()
-        for i, batch in enumerate(self.source.eval_batches(self.cfg.data.eval_batch_size)):
+        world = self.world_size
+        for i, batch in enumerate(self.source.eval_batches(self.cfg.data.eval_batch_size * world)):
             if limit and i >= limit:
                 break
+            if self.distributed is not None:
+                batch = split_batch(batch, self.distributed.rank, world)
             batch = batch.to(self.device)
             acc.update(self.model(batch.dense, batch.sparse), batch.labels)
         self.model.train()
-        return acc.compute()
+        if self.distributed is None:
+            return acc.compute()
+        group = self.distributed.dense_group  # AUC does not decompose: gather every prediction
+        return compute_metrics(gather_to_all(acc.logits().to(self.device), group).cpu(),
+                               gather_to_all(acc.labels().to(self.device), group).cpu())
 
     # ------------------------------------------------------------------------------ loop
     def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int) -> float:
@@ -170,23 +213,35 @@ class Trainer:
         t0 = time.perf_counter()
         metrics = self.evaluate()
         log.write({"kind": "eval", "step": self.step, "epoch": epoch, **metrics})
-        bar.write(_format_eval(self.step, metrics), file=self.out)
+        if self.is_main:
+            bar.write(_format_eval(self.step, metrics), file=self.out)
         return time.perf_counter() - t0
+
+    def _train_batches(self, epoch: int) -> Iterator[Tuple[Batch, int]]:
+        """(this rank's batch, global batch size) for every global batch of the epoch."""
+        batches = self.source.train_batches(self.cfg.data.batch_size * self.world_size, epoch=epoch)
+        for batch in batches:
+            if self.distributed is None:
+                yield batch, batch.batch_size
+            else:
+                yield split_batch(batch, self.distributed.rank, self.world_size), batch.batch_size
 
     def fit(self) -> TrainResult:
         """Train for ``train.epochs`` epochs (or ``train.max_steps`` steps, whichever ends first),
         then evaluate. Training QPS counts training samples over training wall time (data
         loading included, evaluation excluded)."""
         cfg = self.cfg.train
-        log = MetricsLog(self.output_dir / "metrics.jsonl" if self.output_dir else None)
-        if self.output_dir:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.output_dir / "config.json", self.cfg.to_json())
-        steps_per_epoch = math.ceil(self.source.num_train_samples() / self.cfg.data.batch_size)
+        writes = self.output_dir if self.is_main else None  # rank 0 alone logs
+        log = MetricsLog(writes / "metrics.jsonl" if writes else None)
+        if writes:
+            writes.mkdir(parents=True, exist_ok=True)
+            _write_atomic(writes / "config.json", self.cfg.to_json())
+        global_batch_size = self.cfg.data.batch_size * self.world_size
+        steps_per_epoch = math.ceil(self.source.num_train_samples() / global_batch_size)
         total_steps = steps_per_epoch * cfg.epochs if cfg.epochs else cfg.max_steps
         if cfg.max_steps:
             total_steps = min(total_steps, cfg.max_steps)
-        bar = tqdm(total=total_steps, disable=not cfg.progress, file=self.out, unit="step",
+        bar = tqdm(total=total_steps, disable=not (cfg.progress and self.is_main), file=self.out, unit="step",
                    dynamic_ncols=True, mininterval=0.5)
         samples, eval_seconds = 0, 0.0
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
@@ -194,12 +249,11 @@ class Trainer:
         try:
             epoch, stop = 0, False
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
-                batches = self.source.train_batches(self.cfg.data.batch_size, epoch=epoch)
-                with PrefetchLoader(batches, depth=self.cfg.data.prefetch_batches) as loader:
-                    for batch in loader:
-                        loss = self.train_step(batch.to(self.device))
-                        samples += batch.batch_size
-                        window["samples"] += batch.batch_size
+                with PrefetchLoader(self._train_batches(epoch), depth=self.cfg.data.prefetch_batches) as loader:
+                    for batch, size in loader:
+                        loss = self.train_step(batch.to(self.device), size)
+                        samples += size
+                        window["samples"] += size
                         window["loss"] += loss
                         window["steps"] += 1
                         bar.update(1)

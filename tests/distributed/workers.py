@@ -88,3 +88,50 @@ def equivalence(rank: int, world: int, group, selected: List[Tuple[str, str, boo
             results[name] = traceback.format_exc(limit=2)[-3000:]
         dist.barrier(group)  # a failed comparison on one rank leaves the others in step
     return results
+
+
+def small_config(directory: str, batch_size: int, eval_batch_size: int, overrides=()):
+    from neorec.config import load_config
+
+    return load_config(None, [
+        "data.synthetic.num_tables=3", "data.synthetic.num_embeddings=[60, 200, 25]", "data.synthetic.pooling=2.0",
+        "data.synthetic.num_dense=3", "data.synthetic.num_train_samples=1000", "data.synthetic.num_eval_samples=300",
+        f"data.batch_size={batch_size}", f"data.eval_batch_size={eval_batch_size}", "data.prefetch_batches=2",
+        "model.embedding_dim=8", "model.dense_layers=[8]", "model.over_layers=[8]", "train.progress=false",
+        "train.log_every_steps=2", f"train.output_dir=\"{directory}\"", *overrides,
+    ])
+
+
+def trainer_equivalence(rank: int, world: int, group, directory: str, plan_json: str, local_batch: int,
+                        overrides=()) -> Dict:
+    """The distributed Trainer (per-rank batch ``local_batch``) against the single-process Trainer
+    with the global batch: same losses, same final eval, same tables and dense weights."""
+    import io
+    import os
+
+    from neorec.sharding import ShardingPlan
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    plan = ShardingPlan.from_json(plan_json) if plan_json else None
+    out = io.StringIO()
+    trainer = Trainer(small_config(os.path.join(directory, "dist"), local_batch, 64, overrides), out=out,
+                      distributed=context, plan=plan)
+    result = trainer.fit()
+    reference = Trainer(small_config(os.path.join(directory, f"ref{rank}"), local_batch * world, 64 * world, overrides),
+                        out=io.StringIO())
+    expected = reference.fit()
+    for key in ("auc", "log_loss", "ne", "num_samples"):
+        torch.testing.assert_close(result.final_eval[key], expected.final_eval[key], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"final eval {key}: {m}")
+    assert result.steps == expected.steps and result.samples == expected.samples
+    collection = trainer.model.module.sparse_arch
+    for table in collection.tables:
+        torch.testing.assert_close(collection.full_table_weight(table.name),
+                                   reference.model.sparse_arch.tbe.get_table_weight(table.name), rtol=1e-5, atol=1e-6)
+    reference_dense = dict(dense_named_parameters(reference.model))
+    for name, param in dense_named_parameters(trainer.model):
+        torch.testing.assert_close(param, reference_dense[name.removeprefix("module.")], rtol=1e-5, atol=1e-6)
+    return {"steps": result.steps, "out": out.getvalue(), "plan": trainer.plan.to_json()}

@@ -1,0 +1,77 @@
+"""``neorec train --nproc N``: start N local ranks of the same command and watch them.
+
+    neorec train --config configs/tiny.toml --nproc 2
+
+Each rank is ``python -m neorec <same arguments>`` with torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). When a rank exits with an
+error the others are stopped at once (they would otherwise wait in a collective until its timeout)
+and its exit code is returned; Ctrl-C stops them all. For several nodes use torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+_POLL_SECONDS = 0.1
+_STOP_SECONDS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_environment(rank: int, nproc: int, port: int, base: Optional[dict] = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
+def _stop(processes: List[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + _STOP_SECONDS
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int:
+    """Run ``python -m <module> *argv`` as ``nproc`` ranks; 0 when all succeed, else the exit code
+    of the first rank that failed."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    port = free_port()
+    processes: List[subprocess.Popen] = []
+    try:
+        for rank in range(nproc):
+            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv],
+                                              env=rank_environment(rank, nproc, port)))
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                _stop(processes)
+                print(f"neorec: rank {rank} of {nproc} exited with code {code}; stopped the other ranks",
+                      file=sys.stderr, flush=True)
+                return code if code > 0 else 1
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(_POLL_SECONDS)
+    except KeyboardInterrupt:
+        _stop(processes)
+        raise
+    finally:
+        _stop(processes)

@@ -1,0 +1,43 @@
+"""The distributed Trainer on 2 gloo ranks equals the single-process Trainer on the same global
+batches: losses, final eval (AUC gathered from all ranks), tables and dense weights; the last
+global batch of the epoch is uneven (1000 samples, global batch 128 or 96), eval batches too.
+Only rank 0 prints and writes the metrics log.
+
+    python -m pytest tests/distributed/test_trainer.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import workers
+from harness import run_ranks
+from neorec.embedding import TableConfig
+from neorec.sharding import ShardingPlan, column_wise, data_parallel, row_wise
+
+
+def mixed_plan_json() -> str:
+    tables = [TableConfig(f"t_feature_{i}", rows, 8) for i, rows in enumerate([60, 200, 25])]
+    return ShardingPlan({
+        tables[0].name: column_wise(tables[0], [1, 0]),
+        tables[1].name: row_wise(tables[1], [0, 1]),
+        tables[2].name: data_parallel(),
+    }, 2).to_json()
+
+
+# the mixed plan has a column-wise table: SGD there (row-wise AdaGrad keeps per-piece statistics)
+@pytest.mark.parametrize("plan,local_batch,sparse", [("default", 64, "rowwise_adagrad"), ("mixed", 48, "sgd")])
+def test_distributed_trainer_equals_single_process(tmp_path, plan, local_batch, sparse):
+    plan_json = "" if plan == "default" else mixed_plan_json()
+    overrides = [f'embedding.optimizer.kind="{sparse}"']
+    results = run_ranks(workers.trainer_equivalence, 2, tmp_path,
+                        args=(str(tmp_path), plan_json, local_batch, overrides))
+    assert results[0]["steps"] == -(-1000 // (2 * local_batch))
+    assert "eval @ step" not in results[1]["out"] and results[1]["out"] == ""
+    records = [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records].count("final") == 1
+    assert all(r.get("loss", 0.0) >= 0.0 for r in records)
+    if plan == "mixed":
+        assert json.loads(results[0]["plan"]) == json.loads(plan_json)
