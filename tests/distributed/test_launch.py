@@ -1,0 +1,77 @@
+"""Launching: ``neorec train --nproc 2`` end to end, errors in the ranks reported without a hang,
+and two torchrun agents on loopback acting as two nodes (c10d rendezvous).
+
+    python -m pytest tests/distributed/test_launch.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from neorec.train.launch import free_port, launch_local
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.toml")
+SMALL = ["--set", "data.synthetic.num_train_samples=3000", "--set", "data.synthetic.num_eval_samples=1000",
+         "--set", "data.batch_size=128", "--no-progress"]
+TIMEOUT = 150
+
+
+def neorec(*args, timeout=TIMEOUT):
+    return subprocess.run([sys.executable, "-m", "neorec", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_nproc_2_end_to_end(tmp_path):
+    run = neorec("train", "--config", TINY, "--nproc", "2", "--max-steps", "6", "--output-dir", str(tmp_path), *SMALL)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("final eval: AUC") == 1  # rank 0 alone prints
+    assert "distributed: 2 ranks (gloo), local batch 128, global batch 256" in run.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["kind"] == "final" and final["step"] == 6 and final["samples"] == 6 * 256
+    assert final["num_samples"] == 1000 and 0.0 <= final["auc"] <= 1.0
+
+
+def test_nproc_errors_are_reported(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"world_size": 3, "tables": {}}))
+    run = neorec("train", "--config", TINY, "--nproc", "2", "--plan", str(plan), *SMALL)
+    assert run.returncode == 2
+    assert "written for world_size 3" in run.stderr and "(rank " in run.stderr
+    run = neorec("train", "--config", TINY, "--plan", str(plan), *SMALL)
+    assert run.returncode == 2 and "--plan needs several processes" in run.stderr
+
+
+def test_failing_rank_stops_the_others(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    start = time.monotonic()
+    assert launch_local(2, [], module="fail_rank") == 3
+    assert time.monotonic() - start < 60
+
+
+def test_two_torchrun_agents_as_two_nodes(tmp_path):
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-id", "neorec-test", "-m", "neorec", "train", "--config", TINY,
+              "--max-steps", "4", "--output-dir", str(tmp_path), *SMALL]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    agents = [subprocess.Popen([*torchrun, "--node-rank", str(node), *common], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT) for node in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    stdout = "".join(out for out, _ in outputs)
+    assert stdout.count("final eval: AUC") == 1
+    assert "distributed: 2 ranks (gloo)" in stdout
+    final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["kind"] == "final" and final["step"] == 4
