@@ -11,7 +11,7 @@ their group, stable), so one group's ids are one contiguous slice of the (permut
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 

@@ -116,6 +116,9 @@ def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: to
     features = select_features(layout, features)
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
+    if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
+        raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
+                         "differentiate with respect to per-value weights; pass weights.detach()")
     value_starts = features.offset_per_key()
     return [_prepare_group(layout, g, i, features, value_starts) for i, g in enumerate(layout.groups)]
 

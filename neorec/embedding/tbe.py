@@ -10,7 +10,10 @@ Optimizer state (``momentum1``, ``momentum2``) lives in flat fp32 buffers: per r
 ([total_rows], rows numbered in the same layout order) or per element (like ``weights``).
 
 Forward: per dim group, one ``F.embedding_bag(mode="sum")`` over the group view with ids shifted
-by their table's row offset; mean pooling and KJT weights go in through ``per_sample_weights``.
+by their table's row offset; mean pooling and KJT weights go in through ``per_sample_weights``
+(``lookup.py`` prepares the ids; ``layout.py`` computes the layout). fp16/bf16 tables are pooled
+in fp32: the batch's unique rows are gathered and upcast first, because ``F.embedding_bag`` on
+half weights returns (and takes per-sample weights in) half precision.
 Output: ``KeyedTensor`` with keys ``feature_names`` (table order, then feature order in a table),
 values [B, sum of dims] fp32.
 
@@ -193,7 +196,13 @@ class TableBatchedEmbeddingBags(nn.Module):
     # ------------------------------------------------------------------------------ forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature of ``self.feature_names`` from ``features`` (keys may be a superset
-        or a permutation). Returns values [B, sum(feature_dims)] fp32."""
+        or a permutation; ids must lie in [0, num_embeddings) of the feature's table).
+
+        A bag's output is ``sum_i w_i * row(id_i)`` ("sum" pooling) or the same divided by the bag
+        length ("mean"), with ``w_i`` the KJT's per-value weights (1 without weights); an empty
+        bag gives zeros. Returns a ``KeyedTensor`` with values [B, sum(feature_dims)] fp32
+        (accumulated in fp32 whatever the storage precision). With grad enabled, the backward
+        of these values updates the touched rows in place."""
         lookups = prepare_lookups(self.layout, features, self.weights.device)
         batch_size = features.batch_size
         if torch.is_grad_enabled():

@@ -222,3 +222,17 @@ def test_stable_sort_rows_matches_torch_stable_sort(count, num_rows):
         expected_rows, expected_permutation = torch.sort(rows, stable=True)
         assert torch.equal(sorted_rows, expected_rows) and sorted_rows.dtype == torch.int64
         assert torch.equal(permutation, expected_permutation)
+
+
+def test_weights_that_require_grad_are_rejected_and_half_forward_is_fp32():
+    tables = [TableConfig("t", 50, 8, pooling="mean")]
+    kjt = KeyedJaggedTensor(["t"], torch.tensor([1, 2, 3]), torch.tensor([3]), torch.rand(3, requires_grad=True))
+    fused = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), StorageConfig("bf16"))
+    with pytest.raises(ValueError, match="weights.detach"):
+        fused(kjt)
+    weights = kjt.weights.detach()
+    out = fused(KeyedJaggedTensor(["t"], kjt.values, kjt.lengths, weights)).values
+    rows = fused.get_table_weight("t")[[1, 2, 3]]
+    expected = (weights.unsqueeze(1) * rows).sum(0, keepdim=True) / 3  # fp32 math on the stored rows
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
