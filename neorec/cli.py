@@ -136,28 +136,33 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _train_distributed(args: argparse.Namespace) -> int:
     from neorec.sharding import ShardingPlan
     from neorec.train.distributed import DistributedContext
-    from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
     plan = ShardingPlan.load(args.plan) if args.plan else None  # before joining: a bad file fails every rank
     context = DistributedContext.from_env(cfg.train.device)
     try:
-        trainer = Trainer(cfg, distributed=context, plan=plan)
-        if context.is_main:
-            _print_header(cfg, trainer)
-            kinds: dict = {}
-            for entry in trainer.plan.tables.values():
-                kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
-            summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-            print(f"distributed: {context.world_size} ranks ({context.backend}), local batch "
-                  f"{cfg.data.batch_size}, global batch {cfg.data.batch_size * context.world_size}; "
-                  f"tables: {summary}", flush=True)
-        result = trainer.fit()
+        result = _fit_distributed(cfg, context, plan)  # the model is gone before the groups close
         if context.is_main:
             _print_result(result)
     finally:
         context.close()
     return 0
+
+
+def _fit_distributed(cfg, context, plan):
+    from neorec.train.trainer import Trainer
+
+    trainer = Trainer(cfg, distributed=context, plan=plan)
+    if context.is_main:
+        _print_header(cfg, trainer)
+        kinds: dict = {}
+        for entry in trainer.plan.tables.values():
+            kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        print(f"distributed: {context.world_size} ranks ({context.backend}), local batch "
+              f"{cfg.data.batch_size}, global batch {cfg.data.batch_size * context.world_size}; "
+              f"tables: {summary}", flush=True)
+    return trainer.fit()
 
 
 def _train_config(args: argparse.Namespace):

@@ -18,6 +18,7 @@ mean loss over the global batch of N samples, whatever the split.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 from dataclasses import dataclass
@@ -90,8 +91,14 @@ class DistributedContext:
         return cls(rank, world, local_rank, local_world, backend, torch_device, dist.group.WORLD, dense_group)
 
     def close(self) -> None:
+        """Destroy the process groups. Drop the model (its DistributedDataParallel) first: a
+        gloo group whose last reference goes with DDP's reducer is destroyed while holding the
+        GIL and can deadlock with gloo's worker threads (pytorch/pytorch#56297); collecting
+        garbage here lets it go while the groups are still registered."""
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.embedding_group = self.dense_group = None
 
 
 # ---------------------------------------------------------------------------------- batches

@@ -7,6 +7,7 @@ with a deadline: a deadlock fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import traceback
@@ -37,6 +38,7 @@ def _worker(rank: int, fn: Callable, world_size: int, directory: str, args: Sequ
         Path(directory, f"error{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
+        gc.collect()  # models (DDP reducers) go before their groups: see DistributedContext.close
         dist.destroy_process_group()
 
 
