@@ -47,11 +47,13 @@ class EmbeddingBagCollection(nn.Module):
         dense_gradient: bool = False,
         device: Optional[torch.device | str] = None,
         init_seed: int = 0,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.tables: List[TableConfig] = validate_tables(tables)
         self.tbe = TableBatchedEmbeddingBags(
-            self.tables, optimizer, storage, dense_gradient=dense_gradient, device=device, init_seed=init_seed
+            self.tables, optimizer, storage, dense_gradient=dense_gradient, device=device,
+            init_seed=init_seed, kernel=kernel,
         )
         self.feature_names: List[str] = list(self.tbe.feature_names)
         self.embedding_dims: List[int] = list(self.tbe.feature_dims)

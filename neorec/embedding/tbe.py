@@ -39,6 +39,7 @@ from neorec.embedding.lookup import GroupLookup, prepare_lookups
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
 from neorec.embedding.replicas import ReplicaGradients
+from neorec.embedding.triton_path import KERNELS, TritonPath, choose_kernel
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
@@ -82,6 +83,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             buffer) goes to ``gradient_reducer`` (e.g. an all-reduce average, in place) and the
             optimizer then steps their rows with a non-zero gradient (``replicas.py``).
         gradient_reducer: ``callable(grad)`` for ``dense_gradient_tables``; None = no reduction.
+        kernel: "auto" (Triton kernels for CUDA weights when triton is installed and the
+            optimizer has a kernel, else torch ops), "torch", or "triton" (insist; on CPU tensors
+            only under ``TRITON_INTERPRET=1``). See ``triton_path.py``.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         init_seed: int = 0,
         dense_gradient_tables: Sequence[str] = (),
         gradient_reducer: Optional[Callable[[torch.Tensor], None]] = None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(optimizer, SparseOptimizerConfig):
@@ -134,6 +139,11 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.register_buffer("rounding_rng_state", self._rounder.get_state())
             self.register_state_dict_pre_hook(_save_rounding_state)
             self.register_load_state_dict_post_hook(_load_rounding_state)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self._triton = TritonPath(self)
+        self._kernel_by_device: Dict[str, bool] = {}
 
     # ------------------------------------------------------------------------------ layout helpers
     @property
@@ -203,6 +213,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         bag gives zeros. Returns a ``KeyedTensor`` with values [B, sum(feature_dims)] fp32
         (accumulated in fp32 whatever the storage precision). With grad enabled, the backward
         of these values updates the touched rows in place."""
+        if self._uses_triton():
+            return KeyedTensor(self.feature_names, self.feature_dims, self._triton.forward(features))
         lookups = prepare_lookups(self.layout, features, self.weights.device)
         batch_size = features.batch_size
         if torch.is_grad_enabled():
@@ -211,6 +223,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         else:
             values = self._pool(lookups, batch_size)
         return KeyedTensor(self.feature_names, self.feature_dims, values)
+
+    def _uses_triton(self) -> bool:
+        device = str(self.weights.device)
+        if device not in self._kernel_by_device:
+            self._kernel_by_device[device] = choose_kernel(self, self.kernel)
+        return self._kernel_by_device[device]
 
     def _pool(self, lookups: List[GroupLookup], batch_size: int) -> torch.Tensor:
         """[B, total_dim] fp32 pooled embeddings, features in ``feature_names`` order."""

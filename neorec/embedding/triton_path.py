@@ -1,0 +1,145 @@
+"""The Triton path of ``TableBatchedEmbeddingBags``: the same flat buffers, looked up by the
+one-launch Triton forward and updated by the Triton backward fused with the optimizer.
+
+The module picks it by device (``kernel="auto"``): CUDA weights, triton installed, an optimizer
+the kernels implement (SGD, AdaGrad, row-wise AdaGrad) and no dense-gradient tables. On CPU
+tensors it runs only when asked (``kernel="triton"``) under ``TRITON_INTERPRET=1``, which is how
+the tests check the wiring without a GPU:
+
+    TRITON_INTERPRET=1 python -m pytest tests/gpu/test_triton_path.py -q
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from neorec.embedding.kernels import TableBatchedLayout, triton_available, triton_interpreting
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+
+KERNELS = ("auto", "torch", "triton")
+TRITON_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+
+
+def triton_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[str]:
+    """Why the Triton path cannot serve ``module`` (None when it can)."""
+    if not triton_available():
+        return "triton is not installed (pip install 'neorec[gpu]') or there is no CUDA device"
+    if not module.weights.is_cuda and not triton_interpreting():
+        return "the weights are on the CPU (set TRITON_INTERPRET=1 to run the kernels there)"
+    if module.optimizer.kind not in TRITON_OPTIMIZERS:
+        return f"optimizer {module.optimizer.kind!r} has no Triton kernel (have {TRITON_OPTIMIZERS})"
+    if module.dense_gradient or module._replicas is not None:
+        return "dense-gradient tables use the torch path"
+    return None
+
+
+def choose_kernel(module: "TableBatchedEmbeddingBags", kernel: str) -> bool:
+    """True to use Triton. "auto" takes it for CUDA weights when possible; "triton" insists."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "torch":
+        return False
+    reason = triton_unsupported_reason(module)
+    if kernel == "triton":
+        if reason is not None:
+            raise ValueError(f"kernel='triton' was asked for but {reason}")
+        return True
+    return reason is None and module.weights.is_cuda
+
+
+class _TritonLookup(torch.autograd.Function):
+    """Forward: ``tbe_forward``; backward: ``tbe_backward_update`` on the module's buffers."""
+
+    @staticmethod
+    def forward(ctx, anchor, path, values, offsets, weights, batch_size):  # type: ignore[override]
+        from neorec.embedding.kernels import triton_tbe
+
+        ctx.path, ctx.inputs = path, (values, offsets, weights, batch_size)
+        return triton_tbe.tbe_forward(path.module.weights, path.layout(), values, offsets, batch_size,
+                                      weights, check_ids=False)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.path.backward(*ctx.inputs, grad_output)
+        return None, None, None, None, None, None
+
+
+class TritonPath:
+    """Forward and fused backward of one ``TableBatchedEmbeddingBags`` on the Triton kernels."""
+
+    def __init__(self, module: "TableBatchedEmbeddingBags") -> None:
+        self.module = module
+        self._layout: Optional[TableBatchedLayout] = None
+
+    def layout(self) -> TableBatchedLayout:
+        device = self.module.weights.device
+        if self._layout is None or self._layout.table_dims.device != device:
+            m = self.module
+            self._layout = TableBatchedLayout.build(
+                table_dims=m.table_dims, table_rows=m.table_rows,
+                feature_table=m.layout.feature_tables,
+                feature_pooling_mean=[m.tables[t].pooling == "mean" for t in m.layout.feature_tables],
+                table_offsets=m.table_offsets, device=device,
+            )
+        return self._layout
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, total_dim] fp32 pooled embeddings, features in ``module.feature_names`` order."""
+        m = self.module
+        keys = features.keys()
+        if keys != m.feature_names:
+            missing = [k for k in m.feature_names if k not in keys]
+            if missing:
+                raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {m.feature_names}")
+            features = features.permute([keys.index(k) for k in m.feature_names])
+        if features.values.device != m.weights.device:
+            raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {m.weights.device}")
+        self._check_ids(features)
+        offsets = features.offsets()
+        if torch.is_grad_enabled():
+            anchor = torch.zeros((), device=m.weights.device, requires_grad=True)
+            return _TritonLookup.apply(anchor, self, features.values, offsets, features.weights,
+                                       features.batch_size)
+        from neorec.embedding.kernels import triton_tbe
+
+        return triton_tbe.tbe_forward(m.weights, self.layout(), features.values, offsets,
+                                      features.batch_size, features.weights, check_ids=False)
+
+    def _check_ids(self, features: KeyedJaggedTensor) -> None:
+        """ValueError naming the feature and table of the first id outside its table."""
+        values = features.values
+        if values.numel() == 0:
+            return
+        layout = self.layout()
+        per_feature = torch.tensor(features.length_per_key(), device=values.device)
+        feature_of_value = torch.repeat_interleave(
+            torch.arange(len(per_feature), device=values.device), per_feature, output_size=values.numel())
+        limit = layout.table_rows[layout.feature_table[feature_of_value].long()]
+        bad = values.lt(0) | values.ge(limit)
+        if bool(bad.any()):
+            position = int(bad.nonzero()[0, 0])
+            feature = self.module.feature_names[int(feature_of_value[position])]
+            table = self.module.tables[self.module.layout.feature_tables[int(feature_of_value[position])]]
+            raise ValueError(f"feature {feature!r} (table {table.name!r}): id {int(values[position])} is "
+                             f"outside the table's rows [0, {table.num_embeddings})")
+
+    @torch.no_grad()
+    def backward(self, values, offsets, weights, batch_size, grad_output) -> None:
+        from neorec.embedding.kernels import triton_tbe
+
+        m = self.module
+        m.step += 1
+        step = int(m.step)
+        opt = m.optimizer
+        seed = ((int(m.storage.seed or 0) * 1_000_003) ^ step) & 0x7FFFFFFFFFFFFFFF
+        triton_tbe.tbe_backward_update(
+            opt.kind, m.weights, getattr(m, "momentum1", None), self.layout(), values, offsets,
+            batch_size, grad_output, weights, learning_rate=opt.learning_rate, eps=opt.eps,
+            weight_decay=opt.weight_decay, seed=seed,
+            stochastic_rounding=m.storage.stochastic_rounding, check_ids=False,
+        )
