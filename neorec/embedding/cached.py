@@ -1,0 +1,409 @@
+"""``CachedEmbeddingBagCollection``: an ``EmbeddingBagCollection`` whose tables may live off the
+device: in host DRAM, or in a DRAM or SSD row store behind a software cache.
+
+    locations = {"t_item": TableLocation("cached_ssd", cache_fraction=0.1, precision="fp16",
+                                         path="runs/ssd/t_item")}
+    collection = CachedEmbeddingBagCollection(tables, optimizer, locations=locations)
+    collection.prefetch(next_batch.sparse)   # optional: rows of the batch after this one
+    pooled = collection(batch.sparse)        # same output as EmbeddingBagCollection(tables)
+    pooled.values.sum().backward()           # fused update of the cached rows, in the cache
+    collection.flush()                       # every dirty row back to its store
+
+How cached tables train through the same fused op. The one ``TableBatchedEmbeddingBags``
+(``self.tbe``) holds every device table in full and, for each cached table, a table of
+``num_slots`` rows: that slice of the flat weight buffer and of the optimizer-state buffers IS the
+cache's fp32 storage. Each forward maps the ids of a cached table's features to slots
+(``SetAssociativeCache.lookup``: misses loaded with their optimizer state, victims written back),
+then runs the unchanged fused forward on the slot ids; its backward applies the optimizer to the
+slots in place. With fp32 stores the result equals the uncached collection's bit for bit (same
+initial rows, same arithmetic on the same values; only where the rows sit differs).
+
+Contract: each batch's backward runs before the next forward (checked: a late backward raises
+before touching any row). ``prefetch(features)`` names the batch after the next forward; its rows
+load while that forward/backward runs. ``flush()`` may be called between steps.
+
+Not covered by ``state_dict``: the rows of cached tables live in their stores (flush, then keep the
+store directory); the module's buffers hold only the device tables and cache slots.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from neorec.embedding.cache import SetAssociativeCache
+from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.layout import validate_tables
+from neorec.embedding.locations import TableLocation
+from neorec.embedding.optimizers import STATE_LAYOUT, state_views
+from neorec.embedding.storage import DramRowStore, RowStore, SsdRowStore
+from neorec.embedding.tbe import _INIT_CHUNK, TableBatchedEmbeddingBags
+from neorec.sparse.jagged import KeyedJaggedTensor
+from neorec.sparse.keyed import KeyedTensor
+
+
+class _InitStream:
+    """The values ``TableBatchedEmbeddingBags`` draws to initialise one table (uniform in
+    +-sqrt(1/rows), ``_INIT_CHUNK`` elements per draw from the table start), handed out in any
+    slices, so that a table initialised in a row store equals the one an uncached module makes."""
+
+    def __init__(self, generator: torch.Generator, table: TableConfig) -> None:
+        self.generator, self.bound = generator, (1.0 / table.num_embeddings) ** 0.5
+        self.remaining = table.num_embeddings * table.embedding_dim
+        self.buffer = torch.empty(0)
+
+    def take(self, count: int) -> torch.Tensor:
+        parts, need = [], count
+        while need:
+            if self.buffer.numel() == 0:
+                size = min(_INIT_CHUNK, self.remaining)
+                self.buffer = torch.empty(size).uniform_(-self.bound, self.bound, generator=self.generator)
+                self.remaining -= size
+            part, self.buffer = self.buffer[:need], self.buffer[need:]
+            parts.append(part)
+            need -= part.numel()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def skip(self) -> None:
+        while self.remaining:
+            self.take(min(_INIT_CHUNK, self.remaining))
+        self.buffer = torch.empty(0)
+
+
+class _UpdateGuard(torch.autograd.Function):
+    """Identity on the pooled output; its backward (which runs before the fused update) checks
+    that the slots of this batch have not been reassigned by a later forward."""
+
+    @staticmethod
+    def forward(ctx, values, collection, generation):  # type: ignore[override]
+        ctx.collection, ctx.generation = collection, generation
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.collection._before_update(ctx.generation)
+        return grad, None, None
+
+
+class CachedEmbeddingBagCollection(nn.Module):
+    """Pooled embedding lookups like ``EmbeddingBagCollection``, with per-table locations.
+
+    Args:
+        tables, optimizer, storage, device, init_seed: as ``EmbeddingBagCollection``. With cached
+            tables ``storage.precision`` must be "fp32" (the cache slots are fp32; the store's
+            precision is the location's ``precision``).
+        locations: {table name: TableLocation}; tables not named stay on the device.
+        separate_host_tables: put "dram" tables in a second fused module on the CPU (default:
+            when ``device`` is not the CPU). Tests set it on a CPU run to check that path.
+
+    Attributes: ``tables``, ``feature_names``, ``embedding_dims``, ``tbe`` (device tables and cache
+    slots), ``host_tbe`` (or None), ``caches`` {table: SetAssociativeCache}, ``locations``.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizerConfig = SparseOptimizerConfig(),
+                 storage: StorageConfig = StorageConfig(), locations: Optional[Mapping[str, TableLocation]] = None,
+                 device: Optional[torch.device | str] = None, init_seed: int = 0,
+                 separate_host_tables: Optional[bool] = None) -> None:
+        super().__init__()
+        self.tables: List[TableConfig] = validate_tables(tables)
+        names = [t.name for t in self.tables]
+        locations = dict(locations or {})
+        unknown = sorted(set(locations) - set(names))
+        if unknown:
+            raise ValueError(f"locations name {unknown}, which are not tables; tables are {names}")
+        for name, location in locations.items():
+            if not isinstance(location, TableLocation):
+                raise TypeError(f"location of table {name!r} must be a TableLocation, got {type(location).__name__}")
+        self.locations: Dict[str, TableLocation] = {n: locations.get(n, TableLocation()) for n in names}
+        cached = [t for t in self.tables if self.locations[t.name].cached]
+        if cached and storage.precision != "fp32":
+            raise ValueError(
+                f"tables {[t.name for t in cached]} are cached: the cache slots live in the fused module, whose "
+                f"storage.precision must then be 'fp32' (got {storage.precision!r}); choose the stored rows' "
+                f"precision with the location's precision (fp16/bf16/int8)")
+        device = torch.device(device if device is not None else "cpu")
+        separate = device.type != "cpu" if separate_host_tables is None else bool(separate_host_tables)
+        host = [t for t in self.tables if self.locations[t.name].kind == "dram" and separate]
+        shapes = {t.name: self.locations[t.name].cache_shape(t.num_embeddings) for t in cached}
+        main = [TableConfig(t.name, shapes[t.name][0], t.embedding_dim, list(t.feature_names), t.pooling)
+                if t.name in shapes else t for t in self.tables if t not in host]
+        self.tbe = TableBatchedEmbeddingBags(main, optimizer, storage, device=device, init_seed=init_seed)
+        self.host_tbe = (TableBatchedEmbeddingBags(host, optimizer, storage, device="cpu", init_seed=init_seed)
+                         if host else None)
+        self.feature_names: List[str] = [f for t in self.tables for f in t.feature_names]
+        self.embedding_dims: List[int] = [t.embedding_dim for t in self.tables for _ in t.feature_names]
+        self._column_order = self._output_columns(device) if host else None
+
+        kind = self.tbe.optimizer.kind
+        initial = optimizer.initial_accumulator_value if kind in ("adagrad", "rowwise_adagrad") else 0.0
+        self._state_widths = {t.name: {n: (1 if per == "row" else t.embedding_dim) for n, per in STATE_LAYOUT[kind]}
+                              for t in self.tables}
+        stores = self._initialize(init_seed, initial, cached)
+        self.caches: Dict[str, SetAssociativeCache] = {}
+        for table in cached:
+            location = self.locations[table.name]
+            weights, state = self._slot_storage(table.name)
+            self.caches[table.name] = SetAssociativeCache(
+                stores[table.name], weights, state, ways=shapes[table.name][1], policy=location.policy,
+                background=location.background_prefetch, name=table.name)
+        self._table_of = {t.name: t for t in self.tables}
+        self._generation = 0
+        self._pending_update = False
+        self._prefetch_request: Optional[KeyedJaggedTensor] = None
+
+    # ------------------------------------------------------------------------------ construction
+    def _make_store(self, table: TableConfig, location: TableLocation, fill) -> RowStore:
+        state = self._state_widths[table.name]
+        counts = location.policy == "lfu"
+        if location.kind == "cached_dram":
+            store = DramRowStore(table.num_embeddings, table.embedding_dim, location.precision, state, counts,
+                                 location.stochastic_rounding, location.seed, name=table.name)
+            fill(store)
+            return store
+        budget = location.resident_budget_mb << 20
+        if location.open_existing:
+            store = SsdRowStore.open(location.path, resident_budget_bytes=budget)
+            expected = (table.num_embeddings, table.embedding_dim, location.precision, tuple(state.items()))
+            found = (store.num_rows, store.dim, store.precision, store.format.state)
+            if found != expected:
+                store.close()
+                raise ValueError(f"table {table.name!r}: the store at {location.path!r} holds (rows, dim, precision, "
+                                 f"state) = {found}, the table needs {expected}")
+            return store
+        return SsdRowStore.create(location.path, table.num_embeddings, table.embedding_dim, location.precision,
+                                  state, counts, location.stochastic_rounding, location.seed, fill=fill,
+                                  overwrite=location.overwrite, resident_budget_bytes=budget)
+
+    @torch.no_grad()
+    def _initialize(self, seed: int, initial_state: float, cached: List[TableConfig]) -> Dict[str, RowStore]:
+        """Draw every table's initial rows in the order an ``EmbeddingBagCollection(tables)`` does,
+        into the fused module(s) or the tables' stores. Returns the stores of cached tables."""
+        generator = torch.Generator().manual_seed(int(seed))
+        stores: Dict[str, RowStore] = {}
+        cached_names = {t.name for t in cached}
+        for table in self.tables:
+            stream = _InitStream(generator, table)
+            location = self.locations[table.name]
+            if table.name in cached_names:
+                if location.kind == "cached_ssd" and location.open_existing:
+                    stores[table.name] = self._make_store(table, location, None)
+                    stream.skip()
+                    continue
+                dim = table.embedding_dim
+
+                def fill(store: RowStore, stream=stream, dim=dim) -> None:
+                    store.fill(lambda start, count: stream.take(count * dim).view(count, dim), initial_state)
+
+                stores[table.name] = self._make_store(table, location, fill)
+                continue
+            module = self.host_tbe if self.host_tbe is not None and table.name in self._host_names() else self.tbe
+            index = [t.name for t in module.tables].index(table.name)
+            offset, total = module.table_offsets[index], table.num_embeddings * table.embedding_dim
+            for start in range(0, total, _INIT_CHUNK):
+                block = stream.take(min(_INIT_CHUNK, total - start))
+                module.weights[offset + start : offset + start + block.numel()].copy_(block)
+        return stores
+
+    def _host_names(self) -> set:
+        return {t.name for t in self.host_tbe.tables} if self.host_tbe is not None else set()
+
+    def _output_columns(self, device: torch.device) -> torch.Tensor:
+        """Column permutation from [main features | host features] to ``feature_names`` order."""
+        starts, column = {}, 0
+        for module in (self.tbe, self.host_tbe):
+            for feature, dim in zip(module.feature_names, module.feature_dims):
+                starts[feature] = column
+                column += dim
+        return torch.cat([torch.arange(starts[f], starts[f] + d) for f, d in zip(self.feature_names, self.embedding_dims)]).to(device)
+
+    def _slot_storage(self, name: str):
+        """(weights [num_slots, dim], state views) of a cached table's slice of the fused module."""
+        tbe = self.tbe
+        index = [t.name for t in tbe.tables].index(name)
+        slots, dim = tbe.table_rows[index], tbe.table_dims[index]
+        offset = tbe.table_offsets[index]
+        weights = tbe.weights[offset : offset + slots * dim].view(slots, dim)
+        buffers = {n: getattr(tbe, n) for n, _ in STATE_LAYOUT[tbe.optimizer.kind]}
+        state = state_views(tbe.optimizer.kind, buffers, tbe.table_row_offsets[index], slots, offset, dim)
+        return weights, state
+
+    # ------------------------------------------------------------------------------ properties
+    def embedding_dim_per_feature(self) -> Dict[str, int]:
+        return dict(zip(self.feature_names, self.embedding_dims))
+
+    @property
+    def total_dim(self) -> int:
+        return sum(self.embedding_dims)
+
+    # ------------------------------------------------------------------------------ forward
+    def _table_ids(self, features: KeyedJaggedTensor, table: TableConfig, position: Dict[str, int],
+                   offsets: List[int]) -> List[torch.Tensor]:
+        """The ids of each feature of ``table``, range-checked."""
+        out = []
+        for feature in table.feature_names:
+            if feature not in position:
+                raise ValueError(f"KeyedJaggedTensor lacks feature {feature!r} (table {table.name!r}); expected all "
+                                 f"of {self.feature_names} (got keys {features.keys()})")
+            k = position[feature]
+            ids = features.values[offsets[k] : offsets[k + 1]]
+            bad = ids.lt(0) | ids.ge(table.num_embeddings)
+            if bool(bad.any()):
+                raise ValueError(f"feature {feature!r} (table {table.name!r}): id {int(ids[bad][0])} is outside "
+                                 f"the table's rows [0, {table.num_embeddings})")
+            out.append(ids)
+        return out
+
+    def _map_to_slots(self, features: KeyedJaggedTensor, update: bool) -> KeyedJaggedTensor:
+        if not self.caches:
+            return features
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+        keys = features.keys()
+        position = {k: i for i, k in enumerate(keys)}
+        offsets = features.offset_per_key()
+        values = features.values.clone()
+        for name, cache in self.caches.items():
+            table = self._table_of[name]
+            parts = self._table_ids(features, table, position, offsets)
+            slots = cache.lookup(torch.cat(parts) if len(parts) > 1 else parts[0], update=update).to(values.dtype)
+            start = 0
+            for feature, part in zip(table.feature_names, parts):
+                k = position[feature]
+                values[offsets[k] : offsets[k + 1]] = slots[start : start + part.numel()]
+                start += part.numel()
+        return KeyedJaggedTensor(keys, values, features.lengths, features.weights, batch_size=features.batch_size,
+                                 validate=False)
+
+    def _start_prefetch(self) -> None:
+        request, self._prefetch_request = self._prefetch_request, None
+        if request is None:
+            return
+        position = {k: i for i, k in enumerate(request.keys())}
+        offsets = request.offset_per_key()
+        for name, cache in self.caches.items():
+            parts = self._table_ids(request, self._table_of[name], position, offsets)
+            cache.prefetch(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Name the batch that follows the next forward: its cached rows are loaded while that
+        forward and its backward run, and stay pinned until its own update is done."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"prefetch expects a KeyedJaggedTensor, got {type(features).__name__}")
+        if self.caches:
+            self._prefetch_request = features
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool every feature of ``feature_names`` (keys may be a superset); values [B, total_dim]."""
+        training = torch.is_grad_enabled()
+        self._generation += 1
+        self._pending_update = False
+        slotted = self._map_to_slots(features, update=training)
+        self._start_prefetch()
+        values = self.tbe(slotted).values
+        if self.host_tbe is not None:
+            host = self.host_tbe(features.to("cpu")).values.to(values.device)
+            values = torch.cat([values, host], dim=1).index_select(1, self._column_order)
+        if training and self.caches and values.requires_grad:
+            self._pending_update = True
+            values = _UpdateGuard.apply(values, self, self._generation)
+        return KeyedTensor(self.feature_names, self.embedding_dims, values)
+
+    def _before_update(self, generation: int) -> None:
+        if generation != self._generation:
+            raise RuntimeError(
+                "CachedEmbeddingBagCollection: backward of a batch after a later forward; the cache may have "
+                "reassigned that batch's slots. Run each batch's backward before the next forward.")
+        self._pending_update = False
+
+    # ------------------------------------------------------------------------------ rows, state, stats
+    def flush(self) -> None:
+        """Write every dirty cached row (and its optimizer state) back to its store and make the
+        stores durable. Between a forward and its backward the in-flight rows stay dirty."""
+        for cache in self.caches.values():
+            cache.flush(in_flight=self._pending_update)
+
+    def close(self) -> None:
+        """Flush and close every store; the collection cannot train afterwards."""
+        self.flush()
+        for cache in self.caches.values():
+            cache.close()
+
+    def _check_table(self, name: str) -> TableConfig:
+        if name not in self._table_of:
+            raise ValueError(f"no table named {name!r}; tables are {[t.name for t in self.tables]}")
+        return self._table_of[name]
+
+    def _module_of(self, name: str) -> TableBatchedEmbeddingBags:
+        return self.host_tbe if name in self._host_names() else self.tbe
+
+    @torch.no_grad()
+    def table_weight(self, name: str) -> torch.Tensor:
+        """fp32 copy [num_embeddings, embedding_dim] of table ``name`` as the model sees it (cached
+        rows from the cache, the others from the store)."""
+        table = self._check_table(name)
+        if name not in self.caches:
+            return self._module_of(name).get_table_weight(name)
+        cache = self.caches[name]
+        cache.wait()
+        out = torch.empty(table.num_embeddings, table.embedding_dim)
+        step = 1 << 16
+        for start in range(0, table.num_embeddings, step):
+            ids = torch.arange(start, min(start + step, table.num_embeddings))
+            out[start : start + ids.numel()] = cache.store.read_rows(ids)
+        valid = cache.slot_rows >= 0
+        out[cache.slot_rows[valid].cpu()] = cache.weights[valid].cpu()
+        return out
+
+    @torch.no_grad()
+    def optimizer_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...}."""
+        table = self._check_table(name)
+        if name not in self.caches:
+            return self._module_of(name).get_optimizer_state(name)
+        cache = self.caches[name]
+        cache.wait()
+        state = cache.store.read_state(torch.arange(table.num_embeddings))
+        valid = cache.slot_rows >= 0
+        rows = cache.slot_rows[valid].cpu()
+        for field, value in cache.state.items():
+            state[field][rows] = value[valid].cpu()
+        return state
+
+    def cache_stats(self) -> Dict[str, Dict[str, float]]:
+        """{table: cache counters + the store's row/byte counters (prefixed "store_")}."""
+        out = {}
+        for name, cache in self.caches.items():
+            stats = cache.stats.as_dict()
+            stats.update({f"store_{k}": v for k, v in cache.store.stats().items()})
+            out[name] = stats
+        return out
+
+    def extra_repr(self) -> str:
+        placed = {n: loc.kind for n, loc in self.locations.items() if loc.kind != "device"}
+        return f"locations={placed}"
+
+
+def cached_collections(model: nn.Module) -> List[CachedEmbeddingBagCollection]:
+    """Every ``CachedEmbeddingBagCollection`` inside ``model``."""
+    return [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
+
+
+def with_prefetch(batches, model: nn.Module):
+    """Yield ``batches`` one ahead: before batch ``i`` is yielded, the cached collections of
+    ``model`` are told to prefetch the rows of batch ``i + 1`` (loaded while ``i`` trains).
+    Without cached collections the batches pass through unchanged."""
+    collections = [c for c in cached_collections(model) if c.caches]
+    if not collections:
+        yield from batches
+        return
+    iterator = iter(batches)
+    current = next(iterator, None)
+    while current is not None:
+        following = next(iterator, None)
+        if following is not None:
+            for collection in collections:
+                collection.prefetch(following.sparse)
+        yield current
+        current = following

@@ -1,0 +1,175 @@
+"""Where an embedding table's rows live: plain data that configs and planners produce.
+
+Locations:
+    device       all rows in the fused module on the training device (the default).
+    dram         rows in host memory. On a GPU run the table is looked up and updated on the host
+                 by a second fused module whose pooled output is copied to the GPU; on a CPU run
+                 host memory IS the device, so it is the same as "device".
+    cached_dram  rows in a host-memory row store; a set-associative fp32 cache of ``cache_rows``
+                 slots in the fused module on the device.
+    cached_ssd   the same over a memory-mapped SSD file (``path``): tables larger than memory.
+
+    [embedding.location]            # TOML, read into LocationConfig
+    default = "cached_ssd"          # location of every table ...
+    min_rows = 100000               # ... with at least this many rows (others stay on device)
+    tables = { t_small = "device" } # per-table exceptions
+    cache_fraction = 0.1            # slots per cached table, as a fraction of its rows
+    policy = "lru"                  # or "lfu"
+    precision = "fp16"              # rows in the store: fp32, fp16, bf16 or int8
+    ssd_dir = "runs/ssd"            # "" = <train.output_dir>/embedding_ssd
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from neorec.embedding.cache import POLICIES
+from neorec.embedding.config import TableConfig
+from neorec.embedding.storage import ROW_PRECISIONS
+
+LOCATIONS = ("device", "dram", "cached_dram", "cached_ssd")
+CACHED_LOCATIONS = ("cached_dram", "cached_ssd")
+
+
+def _check_common(where: str, kind: str, cache_rows: int, cache_fraction: float, ways: int, policy: str,
+                  precision: str, resident_budget_mb: int) -> None:
+    if kind not in LOCATIONS:
+        raise ValueError(f"{where}: location must be one of {LOCATIONS}, got {kind!r}")
+    if cache_rows < 0:
+        raise ValueError(f"{where}: cache_rows must be >= 0 (0 = use cache_fraction), got {cache_rows}")
+    if not 0.0 < cache_fraction <= 1.0:
+        raise ValueError(f"{where}: cache_fraction must be in (0, 1], got {cache_fraction}")
+    if ways <= 0:
+        raise ValueError(f"{where}: ways must be > 0, got {ways}")
+    if policy not in POLICIES:
+        raise ValueError(f"{where}: policy must be one of {POLICIES}, got {policy!r}")
+    if precision not in ROW_PRECISIONS:
+        raise ValueError(f"{where}: precision must be one of {ROW_PRECISIONS}, got {precision!r}")
+    if resident_budget_mb <= 0:
+        raise ValueError(f"{where}: resident_budget_mb must be > 0, got {resident_budget_mb}")
+
+
+@dataclass
+class TableLocation:
+    """Where one table lives and, for cached tables, how its cache and store are built.
+
+    kind: one of ``LOCATIONS``.
+    cache_rows: cache slots (rounded up to a multiple of ``ways``); 0 = ``cache_fraction`` of the
+        table's rows.
+    ways: slots per set (fewer when the cache is smaller than one set).
+    policy: "lru" or "lfu" (LFU keeps per-row access counts in the store).
+    precision: row precision in the store ("fp32", "fp16", "bf16", "int8"); the cache is fp32.
+    stochastic_rounding, seed: rounding of low-precision write-backs.
+    path: cached_ssd only: the store directory.
+    open_existing: cached_ssd only: reopen the store at ``path`` (rows and optimizer state come
+        from it) instead of creating and initialising it.
+    overwrite: cached_ssd only: replace an existing store at ``path`` when creating.
+    background_prefetch: move prefetched rows in a worker thread.
+    resident_budget_mb: cached_ssd only: mapped pages are released after about this much I/O.
+    """
+
+    kind: str = "device"
+    cache_rows: int = 0
+    cache_fraction: float = 0.1
+    ways: int = 32
+    policy: str = "lru"
+    precision: str = "fp32"
+    stochastic_rounding: bool = True
+    seed: int = 0
+    path: str = ""
+    open_existing: bool = False
+    overwrite: bool = False
+    background_prefetch: bool = True
+    resident_budget_mb: int = 256
+
+    def __post_init__(self) -> None:
+        _check_common("table location", self.kind, self.cache_rows, self.cache_fraction, self.ways, self.policy,
+                      self.precision, self.resident_budget_mb)
+        if self.kind == "cached_ssd" and not self.path:
+            raise ValueError("table location 'cached_ssd' needs a path (the directory of its SSD row store)")
+
+    @property
+    def cached(self) -> bool:
+        return self.kind in CACHED_LOCATIONS
+
+    def cache_shape(self, num_rows: int) -> Tuple[int, int]:
+        """(num_slots, ways) of the cache of a table with ``num_rows`` rows: at least one slot,
+        at most the table rounded up to whole sets."""
+        wanted = self.cache_rows or math.ceil(self.cache_fraction * num_rows)
+        wanted = max(1, min(wanted, num_rows))
+        ways = min(self.ways, wanted)
+        return math.ceil(wanted / ways) * ways, ways
+
+
+@dataclass
+class LocationConfig:
+    """The ``[embedding.location]`` config section: table locations for a whole model.
+
+    default: location of every table with at least ``min_rows`` rows (smaller ones stay on the
+        device); ``tables`` maps table names to a location and overrides both.
+    The cache and store options are those of ``TableLocation`` and apply to every cached table.
+    ssd_dir: directory of the SSD stores (one sub-directory per table); "" = the trainer's
+        ``<train.output_dir>/embedding_ssd``. Existing stores there are replaced.
+    prefetch: the trainer prefetches the next batch's rows during each step.
+    """
+
+    default: str = "device"
+    tables: Dict[str, str] = field(default_factory=dict)
+    min_rows: int = 0
+    cache_rows: int = 0
+    cache_fraction: float = 0.1
+    ways: int = 32
+    policy: str = "lru"
+    precision: str = "fp32"
+    stochastic_rounding: bool = True
+    seed: int = 0
+    ssd_dir: str = ""
+    prefetch: bool = True
+    background_prefetch: bool = True
+    resident_budget_mb: int = 256
+
+    def __post_init__(self) -> None:
+        where = "embedding.location"
+        _check_common(f"{where}.default", self.default, self.cache_rows, self.cache_fraction, self.ways,
+                      self.policy, self.precision, self.resident_budget_mb)
+        if not isinstance(self.tables, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in self.tables.items()):
+            raise ValueError(f"{where}.tables must map table names to locations, e.g. "
+                             f"{{ t_user = \"cached_ssd\" }}; got {self.tables!r}")
+        for name, kind in self.tables.items():
+            if kind not in LOCATIONS:
+                raise ValueError(f"{where}.tables.{name}: location must be one of {LOCATIONS}, got {kind!r}")
+        if self.min_rows < 0:
+            raise ValueError(f"{where}.min_rows must be >= 0, got {self.min_rows}")
+
+    def any_off_device(self) -> bool:
+        return self.default != "device" or any(kind != "device" for kind in self.tables.values())
+
+    def resolve(self, tables: Sequence[TableConfig], ssd_dir: Optional[str] = None) -> Dict[str, TableLocation]:
+        """{table name: TableLocation} for ``tables``; ``ssd_dir`` is used when ``self.ssd_dir``
+        is empty. Unknown names in ``tables`` are an error."""
+        names = [t.name for t in tables]
+        unknown = sorted(set(self.tables) - set(names))
+        if unknown:
+            raise ValueError(f"embedding.location.tables names {unknown}, which are not tables of this model; "
+                             f"tables are {names}")
+        directory = Path(self.ssd_dir or ssd_dir or "embedding_ssd")
+        out: Dict[str, TableLocation] = {}
+        for table in tables:
+            kind = self.tables.get(table.name)
+            if kind is None:
+                kind = self.default if table.num_embeddings >= self.min_rows else "device"
+            out[table.name] = TableLocation(
+                kind=kind, cache_rows=self.cache_rows, cache_fraction=self.cache_fraction, ways=self.ways,
+                policy=self.policy, precision=self.precision, stochastic_rounding=self.stochastic_rounding,
+                seed=self.seed, path=str(directory / table.name) if kind == "cached_ssd" else "",
+                overwrite=True, background_prefetch=self.background_prefetch,
+                resident_budget_mb=self.resident_budget_mb)
+        return out
+
+
+def off_device_tables(locations: Dict[str, TableLocation]) -> List[str]:
+    return [name for name, location in locations.items() if location.kind != "device"]
