@@ -59,7 +59,8 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-id", "neorec-test", "-m", "neorec", "train", "--config", TINY,
-              "--max-steps", "4", "--output-dir", str(tmp_path), *SMALL]
+              "--plan", str(ROOT / "configs" / "tiny_plan_2ranks.json"), "--max-steps", "4",
+              "--output-dir", str(tmp_path), *SMALL]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     agents = [subprocess.Popen([*torchrun, "--node-rank", str(node), *common], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for node in (0, 1)]
@@ -72,6 +73,6 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     stdout = "".join(out for out, _ in outputs)
     assert stdout.count("final eval: AUC") == 1
-    assert "distributed: 2 ranks (gloo)" in stdout
+    assert "distributed: 2 ranks (gloo)" in stdout and "1 column_wise, 1 data_parallel, 1 row_wise, 1 table_wise" in stdout
     final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["step"] == 4

@@ -158,3 +158,17 @@ def test_permute_blocks():
     values = torch.tensor([1, 2, 3, 4, 5])
     out = _permute_blocks(values, torch.tensor([[1, 2], [2, 0]]))
     assert out.tolist() == [1, 4, 5, 2, 3]
+
+
+def test_example_plan_fits_the_tiny_config():
+    from pathlib import Path
+
+    from neorec.config import load_config
+    from neorec.data import make_data_source
+
+    root = Path(__file__).resolve().parents[3]
+    cfg = load_config(root / "configs" / "tiny.toml")
+    tables = make_data_source(cfg.data).tables(cfg.model.embedding_dim, cfg.model.pooling)
+    plan = ShardingPlan.load(root / "configs" / "tiny_plan_2ranks.json").validate(tables, 2)
+    assert {e.sharding_type for e in plan.tables.values()} == {
+        ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL}
