@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from neorec.data.config import DataConfig
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig
+from neorec.embedding.locations import LocationConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,10 +68,13 @@ class ModelConfig:
 
 @dataclass
 class EmbeddingConfig:
-    """Sparse side: the optimizer fused into the embedding backward and the weight storage."""
+    """Sparse side: the optimizer fused into the embedding backward, the weight storage of the
+    fused module, and where each table lives ([embedding.location]: device, DRAM, or a cache over
+    a DRAM or SSD row store; ``neorec/embedding/locations.py``)."""
 
     optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    location: LocationConfig = field(default_factory=LocationConfig)
 
 
 @dataclass

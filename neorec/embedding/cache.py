@@ -61,6 +61,16 @@ _FIND_CHUNK = 1 << 21  # set entries compared at a time in _find (bounds the [n,
 _FLUSH_CHUNK = 1 << 16  # slots written back per store write in flush
 
 
+class CacheTooSmallError(ValueError):
+    """A batch needs more distinct rows of one table than its cache has slots."""
+
+    def __init__(self, name: str, needed: int, num_slots: int) -> None:
+        super().__init__(
+            f"cache {name!r}: one batch needs {needed} distinct rows of this table but the cache has {num_slots} "
+            f"slots; raise the table's cache size (cache_rows / cache_fraction) to at least the distinct rows of a batch")
+        self.name, self.needed, self.num_slots = name, needed, num_slots
+
+
 @dataclass
 class CacheStats:
     """Counters since construction (or ``reset_stats``). Ids are counted once per lookup."""
@@ -202,7 +212,7 @@ class SetAssociativeCache:
         self.pinned_until[placed] = torch.clamp(self.pinned_until[placed], min=generation)
         return slots
 
-    def _place_anywhere(self, count: int, generation: int, batch_rows: int) -> torch.Tensor:
+    def _place_anywhere(self, count: int, generation: int) -> torch.Tensor:
         """``count`` transient slots from any set (best victims first), pinned with ``generation``."""
         everything = torch.arange(self.num_slots, device=self.device)
         keys = self._victim_keys(everything)
@@ -214,11 +224,7 @@ class SetAssociativeCache:
                 self.pinned_until[later] = self.completed
                 keys = self._victim_keys(everything)
                 usable = int(keys.ne(_UNAVAILABLE).sum())
-        if usable < count:
-            raise ValueError(
-                f"cache {self.name!r}: one batch needs {batch_rows} distinct rows of this table but the cache "
-                f"has {self.num_slots} slots; raise the table's cache size (cache_rows / cache_fraction) to at "
-                f"least the distinct rows of a batch")
+        assert usable >= count, "lookup checks that the batch fits the cache before placing any row"
         slots = torch.sort(keys, stable=True).indices[:count]
         self.pinned_until[slots] = generation
         self.transient = slots if self.transient is None else torch.cat([self.transient, slots])
@@ -294,14 +300,17 @@ class SetAssociativeCache:
     def lookup(self, ids: torch.Tensor, update: bool = True) -> torch.Tensor:
         """Map ``ids`` [N] (rows of the store, any order, repeats allowed) to slots [N] int64,
         loading misses. The previous lookup's update must be done. ``update``: the caller will
-        modify the rows (marks them dirty)."""
+        modify the rows (marks them dirty). Raises ``CacheTooSmallError`` (before changing
+        anything) when ``ids`` hold more distinct rows than the cache has slots."""
+        ids = ids.to(self.device, torch.int64)
+        unique, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
+        if unique.numel() > self.num_slots:
+            raise CacheTooSmallError(self.name, unique.numel(), self.num_slots)
         self.wait()
         self._complete()
         self.generation += 1
         self.tick += 1
         generation = self.generation
-        ids = ids.to(self.device, torch.int64)
-        unique, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
         slots, sets = self._find(unique)
         hit = slots >= 0
         num_hits = int(hit.sum())
@@ -316,7 +325,7 @@ class SetAssociativeCache:
             placed = self._place(miss_rows, sets[miss], generation)
             overflow = placed < 0
             if bool(overflow.any()):
-                placed[overflow] = self._place_anywhere(int(overflow.sum()), generation, unique.numel())
+                placed[overflow] = self._place_anywhere(int(overflow.sum()), generation)
             slots[miss] = placed
             self._load(placed, miss_rows, background=False)
         self.last_use[slots] = self.tick
@@ -375,13 +384,19 @@ class SetAssociativeCache:
         self.wait()
         return torch.sort(self.slot_rows[self.slot_rows >= 0]).values
 
+    def shutdown(self) -> None:
+        """Stop the worker thread (after waiting for it); the store stays open."""
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     def close(self) -> None:
         """Flush, stop the worker thread and close the store."""
         if self.store.closed:
             return
         self.flush()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self.shutdown()
         self.store.close()
 
     def __repr__(self) -> str:

@@ -28,12 +28,14 @@ store directory); the module's buffers hold only the device tables and cache slo
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence
+import math
+import warnings
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from neorec.embedding.cache import SetAssociativeCache
+from neorec.embedding.cache import CacheTooSmallError, SetAssociativeCache
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.layout import validate_tables
 from neorec.embedding.locations import TableLocation
@@ -127,9 +129,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         separate = device.type != "cpu" if separate_host_tables is None else bool(separate_host_tables)
         host = [t for t in self.tables if self.locations[t.name].kind == "dram" and separate]
         shapes = {t.name: self.locations[t.name].cache_shape(t.num_embeddings) for t in cached}
-        main = [TableConfig(t.name, shapes[t.name][0], t.embedding_dim, list(t.feature_names), t.pooling)
-                if t.name in shapes else t for t in self.tables if t not in host]
-        self.tbe = TableBatchedEmbeddingBags(main, optimizer, storage, device=device, init_seed=init_seed)
+        self._host_tables, self._storage, self._device, self._init_seed = host, storage, device, init_seed
+        self.tbe = self._make_tbe(shapes, optimizer)
         self.host_tbe = (TableBatchedEmbeddingBags(host, optimizer, storage, device="cpu", init_seed=init_seed)
                          if host else None)
         self.feature_names: List[str] = [f for t in self.tables for f in t.feature_names]
@@ -154,6 +155,54 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._prefetch_request: Optional[KeyedJaggedTensor] = None
 
     # ------------------------------------------------------------------------------ construction
+    def _make_tbe(self, shapes: Dict[str, Tuple[int, int]], optimizer: SparseOptimizerConfig) -> TableBatchedEmbeddingBags:
+        """The fused module: device tables in full, cached tables as ``shapes[name][0]`` slots."""
+        main = [TableConfig(t.name, shapes[t.name][0], t.embedding_dim, list(t.feature_names), t.pooling)
+                if t.name in shapes else t for t in self.tables if t not in self._host_tables]
+        return TableBatchedEmbeddingBags(main, optimizer, self._storage, device=self._device, init_seed=self._init_seed)
+
+    @torch.no_grad()
+    def _grow_cache(self, name: str, needed: int) -> None:
+        """Give cache ``name`` room for a batch of ``needed`` distinct rows: flush it, rebuild the
+        fused module with more slots for it (every other table and cache copied over unchanged),
+        and start it empty with the new geometry."""
+        for cache in self.caches.values():
+            cache.wait()
+        old_cache, table = self.caches[name], self._table_of[name]
+        ways = old_cache.ways
+        slots = min(math.ceil(needed * 1.25 / ways), math.ceil(table.num_embeddings / ways)) * ways
+        slots = max(slots, math.ceil(needed / ways) * ways)
+        warnings.warn(f"cache of table {name!r}: a batch needs {needed} distinct rows, more than its "
+                      f"{old_cache.num_slots} slots; growing it to {slots} slots", RuntimeWarning, stacklevel=3)
+        old_cache.flush()
+        old = self.tbe
+        shapes = {n: (c.num_slots, c.ways) for n, c in self.caches.items()}
+        shapes[name] = (slots, ways)
+        new = self._make_tbe(shapes, old.optimizer)
+        new.step.copy_(old.step)
+        old_index = {t.name: i for i, t in enumerate(old.tables)}
+        for i, t in enumerate(new.tables):
+            if t.name == name:
+                continue
+            j = old_index[t.name]
+            size = t.num_embeddings * t.embedding_dim
+            new.weights[new.table_offsets[i] : new.table_offsets[i] + size].copy_(
+                old.weights[old.table_offsets[j] : old.table_offsets[j] + size])
+            for buffer, per in STATE_LAYOUT[old.optimizer.kind]:
+                (ni, oi, n) = ((new.table_row_offsets[i], old.table_row_offsets[j], t.num_embeddings) if per == "row"
+                               else (new.table_offsets[i], old.table_offsets[j], size))
+                getattr(new, buffer)[ni : ni + n].copy_(getattr(old, buffer)[oi : oi + n])
+        self.tbe = new
+        stats = old_cache.stats
+        self.caches[name] = SetAssociativeCache(old_cache.store, *self._slot_storage(name), ways=ways,
+                                                policy=old_cache.policy,
+                                                background=self.locations[name].background_prefetch, name=name)
+        self.caches[name].stats = stats
+        old_cache.shutdown()
+        for other, cache in self.caches.items():
+            if other != name:
+                cache.bind(*self._slot_storage(other))
+
     def _make_store(self, table: TableConfig, location: TableLocation, fill) -> RowStore:
         state = self._state_widths[table.name]
         counts = location.policy == "lfu"
@@ -256,6 +305,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return out
 
     def _map_to_slots(self, features: KeyedJaggedTensor, update: bool) -> KeyedJaggedTensor:
+        """``features`` with the ids of cached tables replaced by their cache slots."""
         if not self.caches:
             return features
         if not isinstance(features, KeyedJaggedTensor):
@@ -264,10 +314,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         position = {k: i for i, k in enumerate(keys)}
         offsets = features.offset_per_key()
         values = features.values.clone()
-        for name, cache in self.caches.items():
+        for name in list(self.caches):
             table = self._table_of[name]
             parts = self._table_ids(features, table, position, offsets)
-            slots = cache.lookup(torch.cat(parts) if len(parts) > 1 else parts[0], update=update).to(values.dtype)
+            ids = torch.cat(parts) if len(parts) > 1 else parts[0]
+            try:
+                slots = self.caches[name].lookup(ids, update=update)
+            except CacheTooSmallError as error:
+                self._grow_cache(name, error.needed)
+                slots = self.caches[name].lookup(ids, update=update)
+            slots = slots.to(values.dtype)
             start = 0
             for feature, part in zip(table.feature_names, parts):
                 k = position[feature]
@@ -390,20 +446,20 @@ def cached_collections(model: nn.Module) -> List[CachedEmbeddingBagCollection]:
     return [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
 
 
-def with_prefetch(batches, model: nn.Module):
-    """Yield ``batches`` one ahead: before batch ``i`` is yielded, the cached collections of
-    ``model`` are told to prefetch the rows of batch ``i + 1`` (loaded while ``i`` trains).
-    Without cached collections the batches pass through unchanged."""
+def with_prefetch(items, model: nn.Module, sparse_of=lambda batch: batch.sparse):
+    """Yield ``items`` (batches, or anything ``sparse_of`` maps to a KeyedJaggedTensor) one ahead:
+    before item ``i`` is yielded, the cached collections of ``model`` are told to prefetch the rows
+    of item ``i + 1`` (loaded while ``i`` trains). Without cached tables items pass through."""
     collections = [c for c in cached_collections(model) if c.caches]
     if not collections:
-        yield from batches
+        yield from items
         return
-    iterator = iter(batches)
+    iterator = iter(items)
     current = next(iterator, None)
     while current is not None:
         following = next(iterator, None)
         if following is not None:
             for collection in collections:
-                collection.prefetch(following.sparse)
+                collection.prefetch(sparse_of(following))
         yield current
         current = following

@@ -568,6 +568,13 @@ class SsdRowStore(RowStore):
             self.flush()
             self._close_map()
 
+    def __del__(self) -> None:
+        # dropped without close(): like a crash, the rows written since the last flush reach the
+        # file (shared mapping) but the store stays marked unclean; just release the descriptor
+        file = getattr(self, "_file", None)
+        if file is not None and not file.closed:
+            file.close()
+
 
 def _write_json(path: Path, data: Dict) -> None:
     tmp = path.with_name(path.name + ".tmp")

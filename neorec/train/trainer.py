@@ -27,6 +27,7 @@ from neorec.config import Config, DenseOptimizerConfig
 from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
+from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.model import DLRM, dense_parameters
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
@@ -60,13 +61,19 @@ def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
     """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``."""
     torch.manual_seed(cfg.train.seed)
     tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
-    collection = EmbeddingBagCollection(
-        tables,
-        optimizer=cfg.embedding.optimizer,
-        storage=cfg.embedding.storage,
-        device=device,
-        init_seed=cfg.train.seed,
-    )
+    if cfg.embedding.location.any_off_device():  # some tables in DRAM or behind a cache
+        ssd_dir = str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else None
+        collection = CachedEmbeddingBagCollection(
+            tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=cfg.train.seed,
+            locations=cfg.embedding.location.resolve(tables, ssd_dir))
+    else:
+        collection = EmbeddingBagCollection(
+            tables,
+            optimizer=cfg.embedding.optimizer,
+            storage=cfg.embedding.storage,
+            device=device,
+            init_seed=cfg.train.seed,
+        )
     model = DLRM(
         sparse_arch=collection,
         num_dense=source.num_dense,
@@ -142,6 +149,8 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size))
         self.device = distributed.device if distributed else resolve_device(cfg.train.device)
         self.source = source if source is not None else make_data_source(cfg.data)
+        if distributed is not None and cfg.embedding.location.any_off_device():
+            raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
         self.model = build_model(cfg, self.source, self.device)
         self.plan = None
         if distributed is not None:
@@ -250,7 +259,9 @@ class Trainer:
             epoch, stop = 0, False
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
                 with PrefetchLoader(self._train_batches(epoch), depth=self.cfg.data.prefetch_batches) as loader:
-                    for batch, size in loader:
+                    prefetching = self.cfg.embedding.location.prefetch
+                    for batch, size in with_prefetch(loader, self.model, lambda item: item[0].sparse) \
+                            if prefetching else loader:
                         loss = self.train_step(batch.to(self.device), size)
                         samples += size
                         window["samples"] += size
@@ -275,6 +286,8 @@ class Trainer:
             train_seconds = time.perf_counter() - start - eval_seconds
             bar.close()
             final_eval = self.evaluate()
+            for collection in cached_collections(self.model):
+                collection.flush()  # every cached row back in its store
             qps = samples / max(train_seconds, 1e-9)
             log.write({"kind": "final", "step": self.step, "samples": samples,
                        "train_seconds": train_seconds, "qps": qps, **final_eval})
