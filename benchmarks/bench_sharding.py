@@ -46,7 +46,6 @@ from neorec.sharding import (
     data_parallel,
     default_plan,
     row_wise,
-    table_wise,
 )
 from neorec.train.distributed import split_batch
 

@@ -31,7 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from neorec.embedding.config import PRECISIONS, TableConfig
+from neorec.embedding.config import TableConfig
 
 
 class ShardingType(str, Enum):
