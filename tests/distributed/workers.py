@@ -135,3 +135,13 @@ def trainer_equivalence(rank: int, world: int, group, directory: str, plan_json:
     for name, param in dense_named_parameters(trainer.model):
         torch.testing.assert_close(param, reference_dense[name.removeprefix("module.")], rtol=1e-5, atol=1e-6)
     return {"steps": result.steps, "out": out.getvalue(), "plan": trainer.plan.to_json()}
+
+
+def deadlock(rank: int, world: int, group) -> None:
+    """Rank 0 waits in a barrier that rank 1 never joins."""
+    import time
+
+    if rank == 0:
+        dist.barrier(group)
+    else:
+        time.sleep(120)
