@@ -139,6 +139,10 @@ def _train_distributed(args: argparse.Namespace) -> int:
 
     cfg = _train_config(args)
     plan = ShardingPlan.load(args.plan) if args.plan else None  # before joining: a bad file fails every rank
+    world = int(os.environ["WORLD_SIZE"])
+    if plan is not None and plan.world_size != world:
+        raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has {world} "
+                         f"ranks; make a plan for {world} ranks ({args.plan})")
     context = DistributedContext.from_env(cfg.train.device)
     try:
         result = _fit_distributed(cfg, context, plan)  # the model is gone before the groups close

@@ -86,7 +86,7 @@ def all_to_all(tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Se
     if stats is not None:
         stats.record(name, _remote_bytes(send_splits, dist.get_rank(group), tensor.element_size()))
     work = dist.all_to_all_single(output, tensor, recv_splits, send_splits, group=group, async_op=True)
-    return Awaitable([work], lambda: output)
+    return Awaitable([work], lambda: (tensor, output)[1])  # the sent buffer lives until the wait
 
 
 class _DifferentiableAllToAll(torch.autograd.Function):
