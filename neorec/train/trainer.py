@@ -89,12 +89,17 @@ def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
 
 
 def make_dense_optimizer(cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The dense optimizer of ``cfg``; its fused (one kernel for all parameters) implementation when
+    every parameter is a floating tensor on CPU or CUDA: the same update, without the per-parameter
+    loop of ~10 small ops each (about 10 % of a DLRM step on CPU, see benchmarks/RESULTS.md)."""
     params = list(params)
+    fused = {"fused": True} if params and all(
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
     if cfg.kind == "sgd":
-        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **fused)
     if cfg.kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
+    return torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
 
 
 class MetricsLog:

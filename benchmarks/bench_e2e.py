@@ -1,0 +1,307 @@
+"""End-to-end DLRM training throughput: neorec against TorchRec's DistributedModelParallel, side by side.
+
+Both frameworks train the same DLRM on the same batches:
+
+- tables: T tables x R rows, dim D, sum pooling, one feature per table;
+- bottom MLP 13 -> 512 -> 256 -> D (ReLU), dot interaction (pairs i < j of dense + T features,
+  concatenated with the dense vector), top MLP -> 512 -> 256 -> 1 (ReLU between, last linear);
+- embeddings: row-wise AdaGrad fused into the backward (lr 0.05, eps 1e-8); dense: torch.optim.Adagrad
+  (lr 0.01, eps 1e-8); loss: mean BCE with logits;
+- batches: neorec's synthetic source (Zipf(1.05) ids scattered over each table, learnable labels),
+  ``--batches`` global batches generated once and cycled; each rank trains on its slice.
+
+Contenders:
+
+- ``neorec``: ``neorec.train.trainer.Trainer.train_step`` (1 rank: the single-process trainer;
+  N ranks: ``DistributedContext`` over gloo, ``default_plan`` sharding, DDP dense part);
+- ``torchrec``: ``torchrec.models.dlrm.DLRM`` over a ``torchrec.EmbeddingBagCollection`` built on
+  the meta device, ``apply_optimizer_in_backward(RowWiseAdagrad)`` on the embeddings (TorchRec fuses
+  it into fbgemm's CPU TBE), ``DistributedModelParallel`` with its default planner (gloo, CPU, same
+  world size, also for 1 rank), ``KeyedOptimizerWrapper(Adagrad)`` for the dense part.
+
+Every rank builds both models; each timed run is ``--steps`` steps of one framework; runs alternate
+neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
+median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec. Intra-op
+threads: cores / ranks for both (``--threads``). The loss of every step is kept, and the mean of the first and last
+tenth of the steps is printed, to show both really train.
+
+Run (repository root, venv active, peers from benchmarks/requirements-peers.txt; ~15 min on 2 cores):
+
+    python benchmarks/bench_e2e.py --out benchmarks/results/bench_e2e.json
+
+    python benchmarks/bench_e2e.py --configs pool1 --ranks 1 --steps 5 --repeats 3    # one cell
+    python benchmarks/bench_e2e.py --quick                                            # smoke run
+    python benchmarks/bench_e2e.py --profile neorec_profile    # also a torch.profiler table of neorec's step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SPARSE_LR, DENSE_LR, EPS = 0.05, 0.01, 1e-8
+NUM_DENSE = 13
+BOTTOM = [512, 256]  # + [dim]
+TOP = [512, 256]  # + [1]
+
+
+@dataclass
+class E2EConfig:
+    name: str
+    num_tables: int
+    num_rows: int
+    dim: int
+    batch_size: int  # per rank
+    pooling: float
+
+
+CONFIGS = {
+    "pool1": E2EConfig("pool1", 26, 100_000, 64, 2048, 1.0),
+    "pool20": E2EConfig("pool20", 16, 200_000, 64, 1024, 20.0),
+}
+QUICK = {n: E2EConfig(c.name, c.num_tables, c.num_rows // 20, c.dim, c.batch_size // 8, c.pooling)
+         for n, c in CONFIGS.items()}
+
+
+# ------------------------------------------------------------------------------------------ data
+def neorec_config(c: E2EConfig, world: int):
+    from neorec.config import Config, DenseOptimizerConfig, EmbeddingConfig, ModelConfig, TrainConfig
+    from neorec.data.config import DataConfig, SyntheticConfig
+    from neorec.embedding.config import SparseOptimizerConfig
+
+    syn = SyntheticConfig(num_tables=c.num_tables, num_embeddings=[c.num_rows], pooling=c.pooling,
+                          num_dense=NUM_DENSE, num_train_samples=10_000_000, num_eval_samples=0)
+    return Config(
+        model=ModelConfig(embedding_dim=c.dim, dense_layers=BOTTOM + [c.dim], over_layers=list(TOP)),
+        embedding=EmbeddingConfig(optimizer=SparseOptimizerConfig("rowwise_adagrad", SPARSE_LR, EPS)),
+        dense_optimizer=DenseOptimizerConfig("adagrad", DENSE_LR, EPS),
+        data=DataConfig(batch_size=c.batch_size, prefetch_batches=0, synthetic=syn),
+        train=TrainConfig(max_steps=1, output_dir="", progress=False),
+    )
+
+
+def make_batches(source, c: E2EConfig, world: int, rank: int, count: int):
+    """``count`` of this rank's batches: (neorec Batch, global batch size, torchrec KJT)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TRKJT
+
+    from neorec.train.distributed import split_batch
+
+    out = []
+    for i, batch in enumerate(source.train_batches(c.batch_size * world, epoch=0)):
+        if i == count:
+            break
+        size = batch.batch_size
+        mine = split_batch(batch, rank, world) if world > 1 else batch
+        kjt = mine.sparse
+        tr = TRKJT(keys=list(kjt.keys()), values=kjt.values.clone(), lengths=kjt.lengths.clone())
+        out.append((mine, size, tr))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ models
+class NeorecRunner:
+    def __init__(self, cfg, source, rank: int, world: int, dense_group):
+        from neorec.train.distributed import DistributedContext
+        from neorec.train.trainer import Trainer
+
+        ctx = None
+        if world > 1:
+            ctx = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"),
+                                     dist.group.WORLD, dense_group)
+        self.trainer = Trainer(cfg, source=source, out=open(os.devnull, "w"), distributed=ctx)
+
+    def step(self, item) -> float:
+        batch, size, _ = item
+        return self.trainer.train_step(batch, size)
+
+
+def copy_mlp_weights(neorec_model, torchrec_dlrm) -> None:
+    """Copy the bottom and top MLPs of neorec's DLRM into TorchRec's (same shapes, same order)."""
+    src = getattr(neorec_model, "module", neorec_model)
+    for a, b in ((src.dense_arch, torchrec_dlrm.dense_arch), (src.over_arch, torchrec_dlrm.over_arch)):
+        mine = [m for m in a.modules() if isinstance(m, torch.nn.Linear)]
+        theirs = [m for m in b.modules() if isinstance(m, torch.nn.Linear)]
+        assert [m.weight.shape for m in mine] == [m.weight.shape for m in theirs], (mine, theirs)
+        with torch.no_grad():
+            for x, y in zip(mine, theirs):
+                y.weight.copy_(x.weight)
+                y.bias.copy_(x.bias)
+
+
+class TorchrecRunner:
+    def __init__(self, c: E2EConfig, neorec_tables, neorec_model, rank: int, world: int, seed: int = 0):
+        import torchrec
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.models.dlrm import DLRM
+        from torchrec.optim.keyed import KeyedOptimizerWrapper
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+        from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+
+        torch.manual_seed(seed)
+        tables = [torchrec.EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim,
+                                              num_embeddings=t.num_embeddings, feature_names=list(t.feature_names))
+                  for t in neorec_tables]
+        ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        model = DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                     dense_arch_layer_sizes=BOTTOM + [c.dim], over_arch_layer_sizes=TOP + [1],
+                     dense_device=torch.device("cpu"))
+        copy_mlp_weights(neorec_model, model)  # same dense init (the tables share the init law)
+        apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": SPARSE_LR, "eps": EPS})
+        self.model = DistributedModelParallel(model, device=torch.device("cpu"))
+        self.optimizer = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(self.model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS),
+        )
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+        self.world = world
+        self.plan = str(self.model.plan)
+
+    def step(self, item) -> float:
+        batch, _, kjt = item
+        logits = self.model(batch.dense, kjt).squeeze(-1)
+        loss = self.loss_fn(logits, batch.labels)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        value = loss.detach()
+        if self.world > 1:  # report the global mean, like neorec's train_step
+            dist.all_reduce(value)
+            value = value / self.world
+        return float(value)
+
+
+# ------------------------------------------------------------------------------------------ worker
+def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_path: str) -> None:
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dense_group = dist.new_group(list(range(world)), backend="gloo")
+    from neorec.data import make_data_source
+
+    cfg = neorec_config(c, world)
+    source = make_data_source(cfg.data)
+    t0 = time.perf_counter()
+    batches = make_batches(source, c, world, rank, args.batches)
+    gen_s = time.perf_counter() - t0
+    runners = {"neorec": NeorecRunner(cfg, source, rank, world, dense_group),
+               "torchrec": None}
+    runners["torchrec"] = TorchrecRunner(c, source.tables(c.dim), runners["neorec"].trainer.model, rank, world)
+    torch.set_num_threads(threads)  # the trainer may have set it; keep both equal
+    losses: Dict[str, List[float]] = {n: [] for n in runners}
+    times: Dict[str, List[float]] = {n: [] for n in runners}
+    cursor = {n: 0 for n in runners}
+
+    def run(name: str, steps: int) -> float:
+        runner = runners[name]
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            item = batches[cursor[name] % len(batches)]
+            cursor[name] += 1
+            losses[name].append(runner.step(item))
+        return time.perf_counter() - start
+
+    for name in runners:  # warm-up run each
+        run(name, max(2, args.steps // 2))
+    for _ in range(args.repeats):
+        for name in runners:
+            times[name].append(run(name, args.steps))
+
+    if args.profile and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+            run("neorec", args.steps)
+        table = (prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+                 + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+        with open(f"{args.profile}_{c.name}_r{world}.txt", "w") as f:
+            f.write(table)
+    elif args.profile:
+        run("neorec", args.steps)
+
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"times": times, "losses": losses, "gen_seconds": gen_s,
+                       "torchrec_plan": runners["torchrec"].plan,
+                       "neorec_plan": str(runners["neorec"].trainer.plan)}, f)
+    del runners
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cell(c: E2EConfig, world: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+        mp.start_processes(worker, args=(world, store, c, args, result), nprocs=world, join=True,
+                           start_method="spawn")
+        with open(result) as f:
+            raw = json.load(f)
+    samples = c.batch_size * world * args.steps
+    qps = {n: [samples / t for t in ts] for n, ts in raw["times"].items()}
+    med = {n: statistics.median(v) for n, v in qps.items()}
+    tenth = {}
+    for n, ls in raw["losses"].items():
+        k = max(1, len(ls) // 10)
+        tenth[n] = (sum(ls[:k]) / k, sum(ls[-k:]) / k)
+    return {"config": asdict(c), "ranks": world, "steps": args.steps, "repeats": args.repeats,
+            "samples_per_s": qps, "median_samples_per_s": med,
+            "median_ms_per_step": {n: c.batch_size * world / v * 1e3 for n, v in med.items()},
+            "ratio_neorec_over_torchrec": med["neorec"] / med["torchrec"],
+            "loss_first_last_tenth": tenth, "losses": raw["losses"], "torchrec_plan": raw["torchrec_plan"],
+            "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="pool1,pool20")
+    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--steps", type=int, default=6, help="steps per timed run")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per framework (alternating)")
+    p.add_argument("--batches", type=int, default=8, help="distinct global batches, cycled")
+    p.add_argument("--quick", action="store_true", help="small tables and batches (smoke test)")
+    p.add_argument("--profile", default="", help="write torch.profiler tables of one neorec run to PREFIX_*.txt")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / ranks)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    table = QUICK if args.quick else CONFIGS
+    results = []
+    print(f"{'config':8} {'ranks':>5} {'neorec samples/s':>17} {'torchrec samples/s':>19} {'neorec ms':>10} "
+          f"{'torchrec ms':>12} {'ratio':>6}   loss first->last tenth (neorec | torchrec)", flush=True)
+    for name in args.configs.split(","):
+        for world in [int(r) for r in args.ranks.split(",")]:
+            r = run_cell(table[name], world, args)
+            results.append(r)
+            m, ms, lt = r["median_samples_per_s"], r["median_ms_per_step"], r["loss_first_last_tenth"]
+            print(f"{name:8} {world:>5} {m['neorec']:>17,.0f} {m['torchrec']:>19,.0f} {ms['neorec']:>10.1f} "
+                  f"{ms['torchrec']:>12.1f} {r['ratio_neorec_over_torchrec']:>6.2f}   "
+                  f"{lt['neorec'][0]:.4f}->{lt['neorec'][1]:.4f} | {lt['torchrec'][0]:.4f}->{lt['torchrec'][1]:.4f}",
+                  flush=True)
+    if args.out:
+        import torchrec
+
+        meta = {"python": platform.python_version(), "torch": torch.__version__,
+                "torchrec": getattr(torchrec, "__version__", "?"), "cpus": os.cpu_count(),
+                "machine": platform.processor() or platform.machine(), "argv": sys.argv,
+                "date": time.strftime("%Y-%m-%d %H:%M")}
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
