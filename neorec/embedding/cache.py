@@ -212,18 +212,19 @@ class SetAssociativeCache:
         self.pinned_until[placed] = torch.clamp(self.pinned_until[placed], min=generation)
         return slots
 
-    def _place_anywhere(self, count: int, generation: int) -> torch.Tensor:
-        """``count`` transient slots from any set (best victims first), pinned with ``generation``."""
+    def _place_anywhere(self, count: int, generation: int, batch_slots: torch.Tensor) -> torch.Tensor:
+        """``count`` transient slots from any set (best victims first), pinned with ``generation``.
+        ``batch_slots``: the slots this lookup already holds."""
         everything = torch.arange(self.num_slots, device=self.device)
         keys = self._victim_keys(everything)
         usable = int(keys.ne(_UNAVAILABLE).sum())
         if usable < count:
-            # rows pinned for a later batch by prefetch are a hint: give them up first
-            later = self.pinned_until > generation
-            if bool(later.any()):
-                self.pinned_until[later] = self.completed
-                keys = self._victim_keys(everything)
-                usable = int(keys.ne(_UNAVAILABLE).sum())
+            # pins for another lookup (a prefetch) are hints: give them up first
+            others = self.pinned_until > self.completed
+            others[batch_slots] = False
+            self.pinned_until[others] = self.completed
+            keys = self._victim_keys(everything)
+            usable = int(keys.ne(_UNAVAILABLE).sum())
         assert usable >= count, "lookup checks that the batch fits the cache before placing any row"
         slots = torch.sort(keys, stable=True).indices[:count]
         self.pinned_until[slots] = generation
@@ -325,7 +326,8 @@ class SetAssociativeCache:
             placed = self._place(miss_rows, sets[miss], generation)
             overflow = placed < 0
             if bool(overflow.any()):
-                placed[overflow] = self._place_anywhere(int(overflow.sum()), generation)
+                held = torch.cat([slots[hit], placed[~overflow]])
+                placed[overflow] = self._place_anywhere(int(overflow.sum()), generation, held)
             slots[miss] = placed
             self._load(placed, miss_rows, background=False)
         self.last_use[slots] = self.tick

@@ -1,0 +1,267 @@
+"""Training through the embedding cache equals training without it, bit for bit (fp32 stores):
+``CachedEmbeddingBagCollection`` against the plain ``EmbeddingBagCollection``, for cache sizes
+from "smaller than one batch" (the cache grows) through thrashing to "holds the table", LRU and
+LFU, with and without prefetch, several optimizers; and write-back loses nothing.
+
+    python -m pytest tests/unit/embedding/test_cache_training.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+from neorec.embedding import EmbeddingBagCollection, SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.cached import CachedEmbeddingBagCollection, with_prefetch
+from neorec.embedding.locations import TableLocation
+from neorec.embedding.storage import SsdRowStore
+from neorec.sparse import KeyedJaggedTensor
+
+pytestmark = pytest.mark.filterwarnings("ignore:cache of table .* growing it:RuntimeWarning")
+
+TABLES = [
+    TableConfig("shared", 300, 8, ["f_a1", "f_a2"]),
+    TableConfig("small", 40, 4, ["f_b"], pooling="mean"),
+    TableConfig("big", 1000, 8, ["f_c"]),
+    TableConfig("wide", 200, 16, ["f_d"]),
+]
+ROWS = {f: t.num_embeddings for t in TABLES for f in t.feature_names}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Many small ops: on a shared 2-core machine OpenMP barriers dominate (10x); the results
+    do not depend on the thread count of the comparison, as both sides use the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_batches(count: int, batch_size: int = 24, weighted: bool = False, seed: int = 0) -> List[KeyedJaggedTensor]:
+    """Skewed ids (hot rows repeat within and across batches), some empty bags."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = list(ROWS)
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(0, 4, (len(keys), batch_size), generator=generator)
+        values = torch.cat([(torch.rand(int(lengths[k].sum()), generator=generator) ** 3 * ROWS[key]).long()
+                            for k, key in enumerate(keys)])
+        weights = torch.rand(values.numel(), generator=generator) if weighted else None
+        out.append(KeyedJaggedTensor(keys, values, lengths.flatten(), weights))
+    return out
+
+
+def locations(tmp_path: Path, cache_rows: int, policy: str, ways: int = 8) -> Dict[str, TableLocation]:
+    """shared: cached over DRAM, big and wide: cached over SSD, small: on the device."""
+    common = dict(cache_rows=cache_rows, policy=policy, ways=ways)
+    return {
+        "shared": TableLocation("cached_dram", **common),
+        "big": TableLocation("cached_ssd", path=str(tmp_path / "big"), **common),
+        "wide": TableLocation("cached_ssd", path=str(tmp_path / "wide"), **{**common, "ways": 4}),
+    }
+
+
+def train_both(reference, cached, batches, prefetch: bool, check_each_step: bool = True) -> None:
+    """Same batches, same output gradients; pooled outputs must be equal at every step."""
+    generator = torch.Generator().manual_seed(1)
+    stream = with_prefetch(batches, cached, sparse_of=lambda kjt: kjt) if prefetch else batches
+    for step, kjt in enumerate(stream):
+        expected, got = reference(kjt).values, cached(kjt).values
+        if check_each_step:
+            assert torch.equal(expected, got), f"pooled outputs differ at step {step}"
+        grad = torch.randn(expected.shape, generator=generator)
+        (expected * grad).sum().backward()
+        (got * grad).sum().backward()
+
+
+def assert_same_tables(reference: EmbeddingBagCollection, cached: CachedEmbeddingBagCollection) -> None:
+    cached.flush()
+    for table in TABLES:
+        assert torch.equal(reference.tbe.get_table_weight(table.name), cached.table_weight(table.name)), table.name
+        expected, got = reference.tbe.get_optimizer_state(table.name), cached.optimizer_state(table.name)
+        assert expected.keys() == got.keys()
+        for name in expected:
+            assert torch.equal(expected[name], got[name]), (table.name, name)
+
+
+CASES = [  # (optimizer, policy, cache rows, prefetch)
+    *[("rowwise_adagrad", policy, rows, prefetch) for policy in ("lru", "lfu") for rows in (8, 40, 2000)
+      for prefetch in (False, True)],
+    ("sgd", "lru", 40, True), ("sgd", "lfu", 8, False),
+    ("adam", "lru", 8, True), ("adam", "lfu", 40, False),
+    ("adagrad", "lru", 40, False), ("adagrad", "lfu", 2000, True),
+]
+
+
+@pytest.mark.parametrize("kind,policy,cache_rows,prefetch", CASES)
+def test_cached_training_equals_uncached_bit_for_bit(tmp_path, kind, policy, cache_rows, prefetch):
+    optimizer = SparseOptimizerConfig(kind, learning_rate=0.1, weight_decay=0.01 if kind == "sgd" else 0.0)
+    reference = EmbeddingBagCollection(TABLES, optimizer, init_seed=5)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, cache_rows, policy),
+                                          init_seed=5)
+    for table in TABLES:  # same initial rows, wherever they live
+        assert torch.equal(reference.tbe.get_table_weight(table.name), cached.table_weight(table.name))
+    train_both(reference, cached, make_batches(20, weighted=(kind == "adam")), prefetch)
+    assert_same_tables(reference, cached)
+    stats = cached.cache_stats()
+    assert stats["big"]["misses"] > 0 and stats["big"]["hits"] > 0
+    if cache_rows == 40:  # smaller than the tables' working sets: rows are evicted and written back
+        assert stats["big"]["evictions"] > 0 and stats["big"]["write_backs"] > 0
+    if prefetch:
+        assert stats["big"]["prefetch_loads"] > 0
+    cached.close()
+
+
+def test_eval_forwards_do_not_dirty_and_interleave_with_training(tmp_path):
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    reference = EmbeddingBagCollection(TABLES, optimizer)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
+    batches = make_batches(10)
+    for i, kjt in enumerate(with_prefetch(batches, cached, sparse_of=lambda k: k)):
+        out_ref, out = reference(kjt).values, cached(kjt).values
+        out_ref.sum().backward()
+        out.sum().backward()
+        with torch.no_grad():  # evaluation between steps, through the same cache
+            assert torch.equal(reference(batches[-1 - i]).values, cached(batches[-1 - i]).values)
+    assert_same_tables(reference, cached)
+    cache = cached.caches["big"]
+    before = cache.stats.write_backs
+    with torch.no_grad():
+        cached(make_batches(1, seed=9)[0])
+    cached.flush()
+    assert cache.stats.write_backs == before  # lookups without an update write nothing back
+
+
+def test_flush_between_forward_and_backward_keeps_the_update(tmp_path):
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    reference = EmbeddingBagCollection(TABLES, optimizer)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
+    for kjt in make_batches(6):
+        out_ref, out = reference(kjt).values, cached(kjt).values
+        cached.flush()  # in flight: rows written now, and again after the update
+        out_ref.sum().backward()
+        out.sum().backward()
+    assert_same_tables(reference, cached)
+
+
+def test_backward_after_a_later_forward_raises_before_updating(tmp_path):
+    optimizer = SparseOptimizerConfig("sgd", 0.1)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
+    first, second = make_batches(2)
+    stale = cached(first).values
+    cached(second)
+    before = cached.tbe.weights.clone()
+    with pytest.raises(RuntimeError, match="backward of a batch after a later forward"):
+        stale.sum().backward()
+    assert torch.equal(before, cached.tbe.weights)
+
+
+def test_ssd_write_back_loses_nothing_and_reopened_stores_continue_training(tmp_path):
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    everywhere = {t.name: TableLocation("cached_ssd", cache_rows=16, ways=4, path=str(tmp_path / t.name))
+                  for t in TABLES}
+    reference = EmbeddingBagCollection(TABLES, optimizer, init_seed=2)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=everywhere, init_seed=2)
+    batches = make_batches(16)
+    train_both(reference, cached, batches[:10], prefetch=True)
+    cached.close()
+    for table in TABLES:  # every row and its state is in the file
+        store = SsdRowStore.open(tmp_path / table.name)
+        ids = torch.arange(table.num_embeddings)
+        rows, state = store.read(ids)
+        assert torch.equal(rows, reference.tbe.get_table_weight(table.name)), table.name
+        assert torch.equal(state["momentum1"], reference.tbe.get_optimizer_state(table.name)["momentum1"])
+        store.close()
+    reopened = {name: TableLocation("cached_ssd", cache_rows=64, ways=8, path=loc.path, open_existing=True)
+                for name, loc in everywhere.items()}
+    resumed = CachedEmbeddingBagCollection(TABLES, optimizer, locations=reopened, init_seed=99)
+    train_both(reference, resumed, batches[10:], prefetch=False)
+    assert_same_tables(reference, resumed)
+    resumed.close()
+
+
+def test_dram_tables_on_a_separate_host_module_equal_uncached(tmp_path):
+    """The GPU layout of "dram" tables (a second fused module on the host), exercised on CPU."""
+    optimizer = SparseOptimizerConfig("adagrad", 0.1)
+    placed = locations(tmp_path, 40, "lfu")
+    placed["small"] = TableLocation("dram")
+    reference = EmbeddingBagCollection(TABLES, optimizer, init_seed=4)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=placed, init_seed=4, separate_host_tables=True)
+    assert cached.host_tbe is not None and [t.name for t in cached.host_tbe.tables] == ["small"]
+    train_both(reference, cached, make_batches(8, weighted=True), prefetch=True)
+    assert_same_tables(reference, cached)
+    plain = CachedEmbeddingBagCollection(TABLES, optimizer, locations={"small": TableLocation("dram")})
+    assert plain.host_tbe is None and not plain.caches  # on a CPU run "dram" is the device
+
+
+def test_a_cache_smaller_than_a_batch_grows_and_says_so(tmp_path):
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 8, "lru"))
+    assert cached.caches["big"].num_slots == 8
+    with pytest.warns(RuntimeWarning, match="cache of table 'shared'.*growing it"):
+        cached(make_batches(1)[0]).values.sum().backward()
+    assert cached.caches["big"].num_slots > 8
+    cached.close()
+
+
+def test_errors(tmp_path):
+    optimizer = SparseOptimizerConfig("sgd", 0.1)
+    with pytest.raises(ValueError, match="not tables"):
+        CachedEmbeddingBagCollection(TABLES, optimizer, locations={"nope": TableLocation("cached_dram")})
+    with pytest.raises(ValueError, match="storage.precision must then be 'fp32'"):
+        CachedEmbeddingBagCollection(TABLES, optimizer, StorageConfig("fp16"),
+                                     locations={"big": TableLocation("cached_dram")})
+    with pytest.raises(ValueError, match="needs a path"):
+        TableLocation("cached_ssd")
+    with pytest.raises(ValueError, match="location must be one of"):
+        TableLocation("gpu")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        TableLocation("cached_dram", policy="fifo")
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
+    kjt = make_batches(1)[0]
+    bad = KeyedJaggedTensor(kjt.keys(), kjt.values.clone(), kjt.lengths)
+    offsets = kjt.offset_per_key()
+    bad.values[offsets[3]] = 1000  # feature f_c of table "big" has rows [0, 1000)
+    with pytest.raises(ValueError, match=r"feature 'f_c' \(table 'big'\): id 1000 is outside"):
+        cached(bad)
+    with pytest.raises(ValueError, match="lacks feature"):
+        cached(kjt.select_keys(["f_a1", "f_a2"]))
+    with pytest.raises(ValueError, match="already exists"):
+        CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
+    cached.close()
+
+
+def test_trainer_with_cached_tables_equals_the_plain_trainer(tmp_path):
+    """``[embedding.location]`` end to end: same loss at every step, same eval, same rows."""
+    import io
+
+    from neorec.config import config_from_dict
+    from neorec.train.trainer import Trainer
+
+    base = {
+        "model": {"embedding_dim": 8, "dense_layers": [16, 8], "over_layers": [16]},
+        "data": {"batch_size": 128, "eval_batch_size": 1024,
+                 "synthetic": {"num_tables": 3, "num_embeddings": [400, 2000, 50], "num_dense": 4,
+                               "num_train_samples": 2560, "num_eval_samples": 1024}},
+        "train": {"epochs": 1, "progress": False, "output_dir": ""},
+    }
+    location = {"default": "cached_ssd", "min_rows": 100, "cache_fraction": 0.05, "policy": "lfu",
+                "ssd_dir": str(tmp_path / "ssd")}
+    plain = Trainer(config_from_dict(base), out=io.StringIO())
+    cached = Trainer(config_from_dict({**base, "embedding": {"location": location}}), out=io.StringIO())
+    collection = cached.model.sparse_arch
+    assert isinstance(collection, CachedEmbeddingBagCollection)
+    assert sorted(collection.caches) == ["t_feature_0", "t_feature_1"]  # the 50-row table stays on the device
+    batches = list(plain.source.train_batches(128))
+    for batch in with_prefetch(batches, cached.model):
+        assert plain.train_step(batch) == cached.train_step(batch)
+    assert plain.evaluate() == cached.evaluate()
+    collection.flush()
+    for table in collection.tables:
+        assert torch.equal(plain.model.sparse_arch.tbe.get_table_weight(table.name), collection.table_weight(table.name))
+    assert (tmp_path / "ssd" / "t_feature_1" / "meta.json").is_file()
+    collection.close()

@@ -1,0 +1,199 @@
+"""Row stores (``neorec/embedding/storage.py``): round trips per precision within the stated error
+bounds, unbiased stochastic rounding, partial writes, SSD create / reopen / crash marking, errors.
+
+    python -m pytest tests/unit/embedding/test_storage.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from neorec.embedding.storage import DramRowStore, SsdRowStore
+
+PRECISIONS = ["fp32", "fp16", "bf16", "int8"]
+STATE = {"momentum1": 1, "momentum2": 6}
+
+
+def make_store(kind: str, tmp_path, precision: str, **kwargs):
+    if kind == "dram":
+        return DramRowStore(500, 6, precision, STATE, **kwargs)
+    return SsdRowStore.create(tmp_path / f"store_{precision}", 500, 6, precision, STATE, **kwargs)
+
+
+def error_bound(precision: str, rows: torch.Tensor, stochastic: bool) -> torch.Tensor:
+    """Largest allowed |stored - rows| per value."""
+    if precision == "fp32":
+        return torch.zeros_like(rows)
+    if precision == "int8":
+        scale = (rows.amax(1, keepdim=True) - rows.amin(1, keepdim=True)) / 255
+        return (scale if stochastic else scale / 2) * (1 + 1e-5) + 1e-6 * rows.abs() + 1e-7
+    mantissa = 10 if precision == "fp16" else 7
+    relative = 2.0 ** -(mantissa if stochastic else mantissa + 1)
+    return rows.abs() * relative * (1 + 1e-6) + 1e-7
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_round_trip_within_bounds(tmp_path, kind, precision, stochastic):
+    store = make_store(kind, tmp_path, precision, with_counts=True, stochastic_rounding=stochastic)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randperm(500, generator=generator)[:200]
+    rows = torch.randn(200, 6, generator=generator) * torch.logspace(-3, 1, 200).unsqueeze(1)
+    rows[0] = 0.25  # a constant row (int8 scale 0) is exact
+    state = {"momentum1": torch.rand(200, generator=generator), "momentum2": torch.rand(200, 6, generator=generator)}
+    store.write(ids, rows, state, counts=torch.arange(200))
+    got, got_state = store.read(ids)
+    assert ((got - rows).abs() <= error_bound(precision, rows, stochastic)).all()
+    assert torch.equal(got[0], rows[0])
+    for name in STATE:  # optimizer state is fp32: exact
+        assert torch.equal(got_state[name], state[name])
+    assert torch.equal(store.read_counts(ids), torch.arange(200))
+    assert torch.equal(store.read_rows(ids), got)
+    assert store.stats()["rows_written"] == 200 and store.stats()["bytes_read"] > 0
+    store.close()
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16", "bf16"])
+def test_stochastic_rounding_is_unbiased(precision):
+    """The same row written to many ids: the mean of what is read back is the row; round to
+    nearest keeps a bias of a sizeable fraction of a grid step."""
+    count = 20000
+    if precision == "int8":
+        step = 1 / 255
+        row = torch.tensor([0.0, 1.0, 3.3 * step, 100.7 * step, 200.45 * step, 17.3 * step])
+    else:
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        base = torch.tensor([0.1, 0.3, 1.7, 2.9, 0.01, 0.5]).to(dtype)
+        step = (torch.nextafter(base, torch.full_like(base, 10)).float() - base.float())
+        row = base.float() + 0.3 * step
+    ids = torch.arange(count)
+    rows = row.expand(count, 6).contiguous()
+    results = {}
+    for stochastic in (True, False):
+        store = DramRowStore(count, 6, precision, stochastic_rounding=stochastic, seed=3)
+        store.write(ids, rows)
+        results[stochastic] = store.read_rows(ids).double().mean(0) - row.double()
+    step = torch.as_tensor(step, dtype=torch.float64)
+    assert (results[True].abs() <= 0.02 * step).all(), results[True] / step
+    inner = slice(2, 6) if precision == "int8" else slice(0, 6)
+    assert (results[False][inner].abs() >= 0.25 * step * torch.ones(6, dtype=torch.float64)[inner]).all()
+
+
+def test_seeded_rounding_repeats():
+    rows = torch.randn(50, 6)
+    stored = []
+    for _ in range(2):
+        store = DramRowStore(50, 6, "int8", seed=7)
+        store.write(torch.arange(50), rows)
+        stored.append(store.records.clone())
+    assert torch.equal(stored[0], stored[1])
+
+
+def test_partial_writes_leave_the_rest(tmp_path):
+    store = SsdRowStore.create(tmp_path / "s", 100, 6, "int8", STATE, with_counts=True)
+    ids = torch.tensor([5, 9, 70])
+    rows, state = torch.randn(3, 6), {"momentum1": torch.rand(3), "momentum2": torch.rand(3, 6)}
+    store.write(ids, rows, state, counts=torch.tensor([1, 2, 3]))
+    before = store.read_rows(ids)
+    store.write_rows(ids, rows * 2)
+    assert torch.equal(store.read_state(ids)["momentum2"], state["momentum2"])
+    assert torch.equal(store.read_counts(ids), torch.tensor([1, 2, 3]))
+    store.write_state(ids, {"momentum1": torch.zeros(3), "momentum2": torch.ones(3, 6)})
+    store.write_counts(ids, torch.tensor([7, 8, 9]))
+    assert not torch.equal(store.read_rows(ids), before)
+    assert torch.equal(store.read_state(ids)["momentum1"], torch.zeros(3))
+    assert torch.equal(store.read_counts(ids), torch.tensor([7, 8, 9]))
+    untouched, untouched_state = store.read(torch.tensor([0, 99]))
+    assert torch.equal(untouched, torch.zeros(2, 6)) and torch.equal(untouched_state["momentum2"], torch.zeros(2, 6))
+    store.close()
+
+
+def test_ssd_create_fill_reopen_and_release(tmp_path):
+    path = tmp_path / "table"
+    values = torch.arange(1000 * 8, dtype=torch.float32).view(1000, 8) / 1000
+
+    def fill(store):
+        store.fill(lambda start, count: values[start : start + count], state_value=0.5)
+
+    store = SsdRowStore.create(path, 1000, 8, "fp32", {"momentum1": 1}, fill=fill,
+                               resident_budget_bytes=64 << 10)
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "rows.bin"]
+    assert not list(tmp_path.glob(".table.tmp-*"))  # built aside, then renamed
+    ids = torch.arange(1000)
+    assert torch.equal(store.read_rows(ids), values)
+    assert torch.equal(store.read_state(ids)["momentum1"], torch.full((1000,), 0.5))
+    assert store.releases > 0  # 64 KiB budget: mapped pages were dropped, data still there
+    store.write(torch.tensor([3]), torch.full((1, 8), 9.0))
+    store.release_pages()
+    assert torch.equal(store.read_rows(torch.tensor([3])), torch.full((1, 8), 9.0))
+    store.close()
+    reopened = SsdRowStore.open(path)
+    expected = values.clone()
+    expected[3] = 9.0
+    assert torch.equal(reopened.read_rows(ids), expected)
+    assert (reopened.num_rows, reopened.dim, reopened.precision) == (1000, 8, "fp32")
+    reopened.close()
+
+
+def test_unflushed_store_is_marked_unclean(tmp_path):
+    path = tmp_path / "t"
+    store = SsdRowStore.create(path, 10, 4)
+    store.write(torch.tensor([1]), torch.ones(1, 4))  # no flush: a crash here leaves a mix
+    assert json.loads((path / "meta.json").read_text())["clean"] is False
+    with pytest.raises(ValueError, match="written after its last flush"):
+        SsdRowStore.open(path)
+    SsdRowStore.open(path, allow_unclean=True).close()
+    store.flush()
+    assert json.loads((path / "meta.json").read_text())["clean"] is True
+    SsdRowStore.open(path).close()
+    store.close()
+
+
+def test_failed_fill_leaves_nothing(tmp_path):
+    def fill(store):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        SsdRowStore.create(tmp_path / "t", 10, 4, fill=fill)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_errors(tmp_path):
+    store = DramRowStore(10, 4, "fp16", {"momentum1": 1}, name="t_user")
+    with pytest.raises(ValueError, match=r"row store 't_user': rows must be \[2, 4\], got \(2, 5\)"):
+        store.write(torch.tensor([0, 1]), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"id 10 is outside the rows \[0, 10\)"):
+        store.read(torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match=r"id -1 is outside"):
+        store.write(torch.tensor([-1]), torch.zeros(1, 4))
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        store.read(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="state must have fields"):
+        store.write(torch.tensor([0]), torch.zeros(1, 4), {"momentum2": torch.zeros(1)})
+    with pytest.raises(ValueError, match="NaN or inf"):
+        store.write(torch.tensor([0]), torch.full((1, 4), float("nan")))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        DramRowStore(10, 4, "int4")
+    with pytest.raises(ValueError, match="width 1 or dim"):
+        DramRowStore(10, 4, "fp32", {"momentum1": 3})
+    with pytest.raises(ValueError, match="num_rows must be a positive integer"):
+        DramRowStore(0, 4)
+    store.close()
+    with pytest.raises(ValueError, match="is closed"):
+        store.read(torch.tensor([0]))
+    ssd = SsdRowStore.create(tmp_path / "t", 10, 4)
+    with pytest.raises(ValueError, match="already exists"):
+        SsdRowStore.create(tmp_path / "t", 10, 4)
+    ssd.close()
+    SsdRowStore.create(tmp_path / "t", 20, 4, overwrite=True).close()
+    assert SsdRowStore.open(tmp_path / "t").num_rows == 20
+    with pytest.raises(ValueError, match="no meta.json"):
+        SsdRowStore.open(tmp_path)
+    with open(tmp_path / "t" / "rows.bin", "r+b") as f:
+        f.truncate(7)
+    with pytest.raises(ValueError, match="rows.bin holds 7 bytes"):
+        SsdRowStore.open(tmp_path / "t")
