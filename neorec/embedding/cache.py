@@ -50,6 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional
 
+import numpy as np
 import torch
 
 from neorec.embedding.storage import RowStore
@@ -59,6 +60,28 @@ _UNAVAILABLE = torch.iinfo(torch.int64).max
 _HASH = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier as a signed int64 (wrapping multiply)
 _FIND_CHUNK = 1 << 21  # set entries compared at a time in _find (bounds the [n, ways] temporaries)
 _FLUSH_CHUNK = 1 << 16  # slots written back per store write in flush
+
+
+def unique_with_inverse(ids: torch.Tensor):
+    """(sorted unique ids [U], inverse [N], counts [U]) like ``torch.unique``. On CPU one NumPy
+    sort of the unique keys ``id << bits | position`` (several times faster than torch's)."""
+    count = ids.numel()
+    position_bits = max(1, (count - 1).bit_length())
+    if ids.device.type != "cpu" or count == 0 or int(ids.max()).bit_length() + position_bits > 62 or int(ids.min()) < 0:
+        return torch.unique(ids, return_inverse=True, return_counts=True)
+    keys = ids.numpy().astype(np.int64, copy=True)
+    np.left_shift(keys, position_bits, out=keys)
+    keys |= np.arange(count, dtype=np.int64)
+    keys.sort()
+    rows = keys >> position_bits
+    first = np.empty(count, dtype=bool)
+    first[0] = True
+    np.not_equal(rows[1:], rows[:-1], out=first[1:])
+    inverse = np.empty(count, dtype=np.int64)
+    inverse[keys & ((1 << position_bits) - 1)] = np.cumsum(first) - 1
+    starts = np.flatnonzero(first)
+    counts = np.diff(np.append(starts, count))
+    return torch.from_numpy(rows[starts]), torch.from_numpy(inverse), torch.from_numpy(counts)
 
 
 class CacheTooSmallError(ValueError):
@@ -134,7 +157,6 @@ class SetAssociativeCache:
         self.counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.pinned_until = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self._way_index = torch.arange(ways, device=device)
         self._store_counts = policy == "lfu" and store.format.with_counts
         self.transient: Optional[torch.Tensor] = None
         self.generation = 0  # lookups so far; lookup g pins its slots with g
@@ -144,6 +166,7 @@ class SetAssociativeCache:
         self._row_bytes = 4 * (store.dim + sum(width for _, width in store.format.state))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-prefetch") if background else None
         self._pending: Optional[Future] = None
+        self._prefetched = None  # (ids, unique, inverse, occurrences, slots) of the last prefetch
 
     # ------------------------------------------------------------------------------ setup
     def bind(self, weights: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
@@ -171,26 +194,29 @@ class SetAssociativeCache:
     def _find(self, rows: torch.Tensor):
         """(slot of each row or -1 [n], home set [n]) for unique ``rows`` [n]."""
         sets = self._home_sets(rows)
-        slots = torch.full_like(rows, -1)
+        slots = torch.empty_like(rows)
         table = self.slot_rows.view(self.num_sets, self.ways)
         step = max(1, _FIND_CHUNK // self.ways)
         for start in range(0, rows.numel(), step):
             part_sets, part_rows = sets[start : start + step], rows[start : start + step]
-            match = table.index_select(0, part_sets) == part_rows.unsqueeze(1)  # [n, ways]
-            way = match.to(torch.uint8).argmax(1)
-            found = match.any(1)
-            slots[start : start + step] = torch.where(found, part_sets * self.ways + way, -1)
+            way = (table.index_select(0, part_sets) == part_rows.unsqueeze(1)).to(torch.uint8).argmax(1)
+            slot = part_sets * self.ways + way  # way 0 when absent: check it
+            slots[start : start + step] = torch.where(self.slot_rows.index_select(0, slot) == part_rows, slot, -1)
         return slots, sets
 
-    def _victim_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        """Eviction priority of ``slots`` (any shape): lower goes first; empty = -1; pinned =
-        _UNAVAILABLE."""
+    def _victim_keys(self, sets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Eviction priority of the ways of ``sets`` [D] -> [D, ways] (None: every slot -> [S]):
+        lower goes first; empty = -1; pinned = _UNAVAILABLE."""
+        def gather(values: torch.Tensor) -> torch.Tensor:
+            return values if sets is None else values.view(self.num_sets, self.ways).index_select(0, sets)
+
+        last_use = gather(self.last_use)
         if self.policy == "lru":
-            key = self.last_use[slots]
+            key = last_use
         else:
-            key = (self.counts[slots].clamp(max=(1 << 31) - 1) << 31) | (self.last_use[slots] & ((1 << 31) - 1))
-        key = torch.where(self.slot_rows[slots] < 0, -1, key)
-        return torch.where(self.pinned_until[slots] > self.completed, _UNAVAILABLE, key)
+            key = (gather(self.counts).clamp(max=(1 << 31) - 1) << 31) | (last_use & ((1 << 31) - 1))
+        key = key.masked_fill(gather(self.slot_rows) < 0, -1)
+        return key.masked_fill(gather(self.pinned_until) > self.completed, _UNAVAILABLE)
 
     def _place(self, rows: torch.Tensor, sets: torch.Tensor, generation: int) -> torch.Tensor:
         """Slots for rows that missed (their home ``sets``), or -1 where the set has no usable way.
@@ -201,7 +227,7 @@ class SetAssociativeCache:
         which = torch.repeat_interleave(torch.arange(set_ids.numel(), device=rows.device), per_set, output_size=count)
         first = torch.cumsum(per_set, 0).sub_(per_set)
         rank = torch.arange(count, device=rows.device) - first.index_select(0, which)
-        keys = self._victim_keys(set_ids.unsqueeze(1) * self.ways + self._way_index)  # [D, ways]
+        keys = self._victim_keys(set_ids)  # [D, ways]
         sorted_keys, way_order = torch.sort(keys, dim=1, stable=True)
         usable = sorted_keys.ne(_UNAVAILABLE).sum(1)
         ok = rank < usable.index_select(0, which)
@@ -215,15 +241,14 @@ class SetAssociativeCache:
     def _place_anywhere(self, count: int, generation: int, batch_slots: torch.Tensor) -> torch.Tensor:
         """``count`` transient slots from any set (best victims first), pinned with ``generation``.
         ``batch_slots``: the slots this lookup already holds."""
-        everything = torch.arange(self.num_slots, device=self.device)
-        keys = self._victim_keys(everything)
+        keys = self._victim_keys()
         usable = int(keys.ne(_UNAVAILABLE).sum())
         if usable < count:
             # pins for another lookup (a prefetch) are hints: give them up first
             others = self.pinned_until > self.completed
             others[batch_slots] = False
             self.pinned_until[others] = self.completed
-            keys = self._victim_keys(everything)
+            keys = self._victim_keys()
             usable = int(keys.ne(_UNAVAILABLE).sum())
         assert usable >= count, "lookup checks that the batch fits the cache before placing any row"
         slots = torch.sort(keys, stable=True).indices[:count]
@@ -304,7 +329,12 @@ class SetAssociativeCache:
         modify the rows (marks them dirty). Raises ``CacheTooSmallError`` (before changing
         anything) when ``ids`` hold more distinct rows than the cache has slots."""
         ids = ids.to(self.device, torch.int64)
-        unique, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
+        known, self._prefetched = self._prefetched, None
+        if known is not None and known[0].shape == ids.shape and torch.equal(known[0], ids):
+            unique, inverse, occurrences, candidates = known[1:]  # the prefetched batch: no search
+        else:
+            unique, inverse, occurrences = unique_with_inverse(ids)
+            candidates = None
         if unique.numel() > self.num_slots:
             raise CacheTooSmallError(self.name, unique.numel(), self.num_slots)
         self.wait()
@@ -312,9 +342,19 @@ class SetAssociativeCache:
         self.generation += 1
         self.tick += 1
         generation = self.generation
-        slots, sets = self._find(unique)
+        if candidates is None:
+            slots, sets = self._find(unique)
+        else:  # prefetched slots still hold their rows unless a pin was given up since
+            slots = torch.where(self.slot_rows.index_select(0, candidates.clamp(min=0)) == unique, candidates, -1)
+            sets = None
         hit = slots >= 0
         num_hits = int(hit.sum())
+        if candidates is not None and num_hits < unique.numel():  # rows prefetch skipped: search
+            miss = ~hit
+            found, _ = self._find(unique[miss])
+            slots[miss] = found
+            hit = slots >= 0
+            num_hits = int(hit.sum())
         self.stats.lookups += unique.numel()
         self.stats.hits += num_hits
         self.stats.misses += unique.numel() - num_hits
@@ -323,7 +363,7 @@ class SetAssociativeCache:
         if num_hits < unique.numel():
             miss = ~hit
             miss_rows = unique[miss]
-            placed = self._place(miss_rows, sets[miss], generation)
+            placed = self._place(miss_rows, self._home_sets(miss_rows) if sets is None else sets[miss], generation)
             overflow = placed < 0
             if bool(overflow.any()):
                 held = torch.cat([slots[hit], placed[~overflow]])
@@ -339,29 +379,31 @@ class SetAssociativeCache:
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Load the rows of ``ids`` for the next lookup and pin them until that lookup's update is
-        done. Rows whose home set has no unpinned way are skipped."""
+        done. Rows whose home set has no unpinned way are skipped. When the next lookup gets the
+        same ``ids``, it reuses this search."""
         self.wait()
         generation = self.generation + 1
-        unique = torch.unique(ids.to(self.device, torch.int64))
-        if self.transient is not None and unique.numel():
-            # rows in transient slots are not findable in their home set until written back
-            unique = unique[~torch.isin(unique, self.slot_rows.index_select(0, self.transient))]
-        self.stats.prefetch_requests += unique.numel()
-        if unique.numel() == 0:
-            return
+        ids = ids.to(self.device, torch.int64)
+        unique, inverse, occurrences = unique_with_inverse(ids)
         slots, sets = self._find(unique)
-        hit = slots >= 0
-        hit_slots = slots[hit]
+        self._prefetched = (ids, unique, inverse, occurrences, slots)
+        wanted = slots < 0
+        if self.transient is not None:
+            # rows in transient slots are not findable in their home set until written back
+            wanted &= ~torch.isin(unique, self.slot_rows.index_select(0, self.transient))
+        self.stats.prefetch_requests += unique.numel()
+        hit_slots = slots[slots >= 0]
         self.pinned_until[hit_slots] = torch.clamp(self.pinned_until[hit_slots], min=generation)
-        miss = ~hit
-        if not bool(miss.any()):
+        if not bool(wanted.any()):
             return
-        placed = self._place(unique[miss], sets[miss], generation)
+        placed = self._place(unique[wanted], sets[wanted], generation)
+        slots[wanted] = placed
         ok = placed >= 0
-        self.stats.prefetch_skipped += int((~ok).sum())
-        if bool(ok.any()):
-            self.stats.prefetch_loads += int(ok.sum())
-            self._load(placed[ok], unique[miss][ok], background=True)
+        num_ok = int(ok.sum())
+        self.stats.prefetch_skipped += placed.numel() - num_ok
+        if num_ok:
+            self.stats.prefetch_loads += num_ok
+            self._load(placed[ok], unique[wanted][ok], background=True)
 
     def flush(self, in_flight: bool = False) -> None:
         """Write every dirty row (row, state, LFU count) back and flush the store; rows stay
