@@ -220,19 +220,26 @@ class SetAssociativeCache:
 
     def _place(self, rows: torch.Tensor, sets: torch.Tensor, generation: int) -> torch.Tensor:
         """Slots for rows that missed (their home ``sets``), or -1 where the set has no usable way.
-        The chosen slots are pinned with ``generation``."""
+        The chosen slots are pinned with ``generation``.
+
+        Misses are sorted by set; the ``r``-th miss of every set takes that set's best remaining
+        victim (one ``argmin`` over the ways per rank ``r``: ranks rarely exceed a few, and the
+        first minimum makes ties go to the lowest way, deterministically)."""
         count = rows.numel()
         order = torch.argsort(sets, stable=True)
         set_ids, per_set = torch.unique_consecutive(sets.index_select(0, order), return_counts=True)
-        which = torch.repeat_interleave(torch.arange(set_ids.numel(), device=rows.device), per_set, output_size=count)
         first = torch.cumsum(per_set, 0).sub_(per_set)
-        rank = torch.arange(count, device=rows.device) - first.index_select(0, which)
         keys = self._victim_keys(set_ids)  # [D, ways]
-        sorted_keys, way_order = torch.sort(keys, dim=1, stable=True)
-        usable = sorted_keys.ne(_UNAVAILABLE).sum(1)
-        ok = rank < usable.index_select(0, which)
-        way = way_order[which, rank.clamp(max=self.ways - 1)]
-        chosen = torch.where(ok, set_ids.index_select(0, which) * self.ways + way, -1)
+        chosen = torch.empty(count, dtype=torch.int64, device=rows.device)
+        active = torch.arange(set_ids.numel(), device=rows.device)
+        for rank in range(int(per_set.max())):
+            if rank:
+                active = active[per_set.index_select(0, active) > rank]
+            way = keys.index_select(0, active).argmin(1)
+            best = keys[active, way]
+            chosen[first.index_select(0, active) + rank] = torch.where(
+                best != _UNAVAILABLE, set_ids.index_select(0, active) * self.ways + way, -1)
+            keys[active, way] = _UNAVAILABLE
         slots = torch.empty_like(chosen).index_put_((order,), chosen)
         placed = slots[slots >= 0]
         self.pinned_until[placed] = torch.clamp(self.pinned_until[placed], min=generation)

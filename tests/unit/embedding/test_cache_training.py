@@ -265,3 +265,29 @@ def test_trainer_with_cached_tables_equals_the_plain_trainer(tmp_path):
         assert torch.equal(plain.model.sparse_arch.tbe.get_table_weight(table.name), collection.table_weight(table.name))
     assert (tmp_path / "ssd" / "t_feature_1" / "meta.json").is_file()
     collection.close()
+
+
+def test_location_config_resolves_per_table_and_rejects_mistakes():
+    from neorec.config import load_config
+
+    root = Path(__file__).resolve().parents[3]
+    cfg = load_config(root / "configs" / "tiny_cached_ssd.toml", ["train.output_dir=runs/x"])
+    tables = [TableConfig(f"t_feature_{i}", rows, 8) for i, rows in enumerate([500, 1000, 2000, 300])]
+    placed = cfg.embedding.location.resolve(tables, "runs/x/embedding_ssd")
+    assert [placed[t.name].kind for t in tables] == ["cached_dram", "cached_ssd", "cached_ssd", "device"]
+    assert placed["t_feature_2"].path == str(Path("runs/x/embedding_ssd") / "t_feature_2")
+    assert placed["t_feature_1"].precision == "fp16" and placed["t_feature_1"].policy == "lfu"
+    assert placed["t_feature_1"].cache_shape(1000) == (128, 32)  # 10% = 100 rows -> whole 32-way sets
+    for override, message in [
+        ("embedding.location.default=disk", "location must be one of"),
+        ("embedding.location.precision=int4", "precision must be one of"),
+        ("embedding.location.policy=random", "policy must be one of"),
+        ("embedding.location.cache_fraction=0", r"cache_fraction must be in \(0, 1\]"),
+        ("embedding.location.tables.t_feature_1=floppy", "tables.t_feature_1: location must be one of"),
+        ("embedding.location.nope=1", "unknown config key 'embedding.location.nope'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_config(root / "configs" / "tiny_cached_ssd.toml", [override])
+    cfg = load_config(None, ["embedding.location.tables.t_missing=cached_dram"])
+    with pytest.raises(ValueError, match=r"names \['t_missing'\], which are not tables"):
+        cfg.embedding.location.resolve(tables)
