@@ -245,13 +245,20 @@ def big_ssd_child(args) -> Dict:
     store_path = os.path.join(ssd_dir, "t_feature_0", "rows.bin")
     out["store_file_bytes"] = os.path.getsize(store_path)
     out["memory_after_create"] = _memory()
-    batches = trainer.source.train_batches(args.batch_size)
-    start, steps = time.perf_counter(), 0
-    for batch in with_prefetch(batches, trainer.model):
-        trainer.train_step(batch)
-        steps += 1
-    out["samples_per_s"] = steps * args.batch_size / (time.perf_counter() - start)
+    batches = list(trainer.source.train_batches(args.batch_size))
     collection = cached_collections(trainer.model)[0]
+    chunk = max(1, len(batches) // 6)  # alternate: prefetch on, off, on, off, ...
+    rates: Dict[str, List[float]] = {"prefetch": [], "no_prefetch": []}
+    for index, start_batch in enumerate(range(0, len(batches) - chunk + 1, chunk)):
+        part = batches[start_batch : start_batch + chunk]
+        mode = "prefetch" if index % 2 == 0 else "no_prefetch"
+        start = time.perf_counter()
+        for batch in (with_prefetch(part, trainer.model) if mode == "prefetch" else part):
+            trainer.train_step(batch)
+        rates[mode].append(len(part) * args.batch_size / (time.perf_counter() - start))
+    steps = sum(len(r) for r in rates.values()) * chunk
+    out["samples_per_s"] = {mode: statistics.median(r) for mode, r in rates.items()}
+    out["all_samples_per_s"] = rates
     collection.flush()
     stats = collection.cache_stats()["t_feature_0"]
     out.update(steps=steps, cache_rows=collection.caches["t_feature_0"].num_slots, hit_rate=stats["hit_rate"],
@@ -276,8 +283,10 @@ def section_big_ssd(args, workdir: str) -> Dict:
           f"{out['dim']} (fp32 would be {out['fp32_table_bytes'] / gib:.2f} GiB; fp16 store file "
           f"{out['store_file_bytes'] / gib:.2f} GiB)")
     print(f"device-resident module under the same cap: {out['resident_attempt']}")
-    print(f"store created in {out['create_seconds']:.1f} s; {out['steps']} steps at {out['samples_per_s']:,.0f} "
-          f"samples/s, cache {out['cache_rows']:,} rows, hit rate {out['hit_rate']:.1%}")
+    rates = out["samples_per_s"]
+    print(f"store created in {out['create_seconds']:.1f} s; {out['steps']} steps, samples/s with prefetch "
+          f"{rates['prefetch']:,.0f}, without {rates['no_prefetch']:,.0f} (alternating chunks, medians); "
+          f"cache {out['cache_rows']:,} rows, hit rate {out['hit_rate']:.1%}")
     for when in ("memory_after_create", "memory_end"):
         m = out[when]
         print(f"{when}: peak RSS {m['VmHWM'] / gib:.2f} GiB, RSS {m['VmRSS'] / gib:.2f} GiB "

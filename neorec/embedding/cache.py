@@ -59,7 +59,7 @@ POLICIES = ("lru", "lfu")
 _UNAVAILABLE = torch.iinfo(torch.int64).max
 _HASH = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier as a signed int64 (wrapping multiply)
 _FIND_CHUNK = 1 << 21  # set entries compared at a time in _find (bounds the [n, ways] temporaries)
-_FLUSH_CHUNK = 1 << 16  # slots written back per store write in flush
+_FLUSH_CHUNK = 1 << 14  # slots written back per store write in flush (bounds the pages touched at once)
 
 
 def unique_with_inverse(ids: torch.Tensor):

@@ -113,7 +113,9 @@ class LocationConfig:
     The cache and store options are those of ``TableLocation`` and apply to every cached table.
     ssd_dir: directory of the SSD stores (one sub-directory per table); "" = the trainer's
         ``<train.output_dir>/embedding_ssd``. Existing stores there are replaced.
-    prefetch: the trainer prefetches the next batch's rows during each step.
+    prefetch: the trainer names the next batch to the cached collection before each step, so its
+        rows load during the step (in a worker thread with ``background_prefetch``). Off by
+        default: on a CPU run it did not pay for itself (benchmarks/RESULTS.md, "Embedding cache").
     """
 
     default: str = "device"
@@ -127,7 +129,7 @@ class LocationConfig:
     stochastic_rounding: bool = True
     seed: int = 0
     ssd_dir: str = ""
-    prefetch: bool = True
+    prefetch: bool = False
     background_prefetch: bool = True
     resident_budget_mb: int = 256
 

@@ -29,9 +29,12 @@ SSD store files: ``<path>/rows.bin`` (the records) and ``<path>/meta.json`` (for
 precision, fields, whether the rows were flushed). Creation is atomic (built in a temporary
 directory, fsynced, renamed). The file is the table's working storage, not a checkpoint: after
 ``flush()`` it is durable; a store written after its last flush is marked unclean and reopening it
-is refused unless ``allow_unclean=True``. Resident memory is bounded: pages touched through the
-mapping are released (``madvise(MADV_DONTNEED)``; written pages stay in the page cache and reach
-the file) whenever about ``resident_budget_bytes`` have been touched.
+is refused unless ``allow_unclean=True``. Resident memory is bounded: on opening, the file's clean
+cached pages are dropped (``posix_fadvise(DONTNEED)``: pages cached by writes may be large folios,
+and a fault maps a whole folio) and the mapping is advised random access (no read-ahead or
+fault-around), so a touched row maps its own page or two; the pages touched through the mapping
+are released (``madvise(MADV_DONTNEED)``; written pages stay in the page cache and reach the file)
+whenever about ``resident_budget_bytes`` have been touched.
 """
 
 from __future__ import annotations
@@ -456,7 +459,15 @@ class SsdRowStore(RowStore):
             self._file.close()
             raise ValueError(f"row store {str(path)!r}: rows.bin holds {size} bytes, expected "
                              f"{num_rows} rows x {fmt.record_bytes} bytes = {num_rows * fmt.record_bytes}")
+        if hasattr(os, "posix_fadvise"):
+            # drop the file's clean cached pages: pages cached by writes (or an earlier process) can
+            # be large folios, and a fault maps a whole folio; re-read under MADV_RANDOM they are
+            # single pages, so a touched row maps its own page or two
+            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         self._map = mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_WRITE)
+        if hasattr(mmap, "MADV_RANDOM"):
+            # rows are touched at random: no read-ahead, no fault-around
+            self._map.madvise(mmap.MADV_RANDOM)
         array = np.frombuffer(self._map, dtype=np.uint8).reshape(num_rows, fmt.record_bytes)
         super().__init__(torch.from_numpy(array), fmt, bool(meta["stochastic_rounding"]), meta["seed"],
                          name or self.path.name)
