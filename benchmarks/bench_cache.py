@@ -10,15 +10,15 @@ Sections (all by default; ``--sections`` picks some):
   trace, same batch granularity). Hit rate = hits / distinct ids looked up, after a warm-up.
   Target: LRU or LFU within 10 percentage points of Belady at 10% on Zipf(1.05).
 - ``train``: DLRM training samples/s with the big tables on the device (fully resident) and
-  cached (10% and 25% of rows) over a DRAM store and over an SSD store, fp32 and fp16 rows,
-  with and without prefetch. Variants alternate round by round (A, B, C, ..., A, B, C, ...);
+  cached (10% and 25% of rows) over a DRAM store and over an SSD store, fp32, fp16 and int8 rows,
+  and with prefetch (next batch named ahead, data moved in a worker thread). Variants alternate round by round (A, B, C, ..., A, B, C, ...);
   medians and ratios to the resident run. Same batches for every variant.
 - ``big-ssd``: in a child process whose data segment is capped (``RLIMIT_DATA``, default 1 GiB;
   shared file mappings are not counted, private memory is), a table several times that size
   (fp16 rows on SSD) trains through a cache; the device-resident module is tried first under the
   same cap and is refused. Reports peak / final RSS, samples/s, hit rate.
 
-Run (from the repository root, venv active; about 6 minutes on 2 cores):
+Run (from the repository root, venv active; about 4 minutes on 2 cores):
 
     python benchmarks/bench_cache.py --out benchmarks/results/bench_cache.json
     python benchmarks/bench_cache.py --smoke                 # every code path, tiny sizes
@@ -160,8 +160,9 @@ def section_train(args, workdir: str) -> Dict:
     for where in ("cached_dram", "cached_ssd"):
         for fraction in (0.25, 0.10):
             variants[f"{where} {fraction:.0%}"] = {"default": where, "cache_fraction": fraction}
-    variants["cached_ssd 10% fp16"] = {"default": "cached_ssd", "cache_fraction": 0.10, "precision": "fp16"}
-    variants["cached_ssd 10% no prefetch"] = {"default": "cached_ssd", "cache_fraction": 0.10, "prefetch": False}
+    for precision in ("fp16", "int8"):
+        variants[f"cached_ssd 10% {precision}"] = {"default": "cached_ssd", "cache_fraction": 0.10, "precision": precision}
+    variants["cached_ssd 10% + prefetch"] = {"default": "cached_ssd", "cache_fraction": 0.10, "prefetch": True}
     trainers = {}
     for name, location in variants.items():
         if location is not None:
@@ -174,7 +175,7 @@ def section_train(args, workdir: str) -> Dict:
 
     def run(name: str, chunk) -> float:
         trainer = trainers[name]
-        prefetch = variants[name] is None or variants[name].get("prefetch", True)
+        prefetch = variants[name] is not None and variants[name].get("prefetch", False)
         start = time.perf_counter()
         for batch in (with_prefetch(chunk, trainer.model) if prefetch else chunk):
             trainer.train_step(batch)

@@ -40,7 +40,8 @@ from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableC
 from neorec.embedding.layout import validate_tables
 from neorec.embedding.locations import TableLocation
 from neorec.embedding.optimizers import STATE_LAYOUT, state_views
-from neorec.embedding.storage import DramRowStore, RowStore, SsdRowStore
+from neorec.embedding.ssd_store import SsdRowStore
+from neorec.embedding.storage import DramRowStore, RowStore
 from neorec.embedding.tbe import _INIT_CHUNK, TableBatchedEmbeddingBags
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor

@@ -4,7 +4,7 @@ kept in fp32 beside each row.
 
     store = DramRowStore(num_rows=1000, dim=16, precision="int8", state={"momentum1": 1})
     store = SsdRowStore.create("runs/ssd/t_user", num_rows=10**8, dim=64, precision="fp16",
-                               state={"momentum1": 1})
+                               state={"momentum1": 1})    # neorec.embedding.ssd_store
     store = SsdRowStore.open("runs/ssd/t_user")       # reopen after close()
     rows, state = store.read(ids)          # [n, dim] fp32, {"momentum1": [n] fp32}
     store.write(ids, rows, state)          # rounds rows to the storage precision
@@ -25,38 +25,20 @@ Error bounds per value (``x`` in fp32, ``s`` = (row max - row min) / 255):
     bf16: |err| <= 2^-8 |x| nearest, < 2^-7 |x| stochastic.
     int8: |err| <= s / 2 nearest, < s stochastic (plus fp32 rounding of the dequantisation).
 
-SSD store files: ``<path>/rows.bin`` (the records) and ``<path>/meta.json`` (format, shape,
-precision, fields, whether the rows were flushed). Creation is atomic (built in a temporary
-directory, fsynced, renamed). The file is the table's working storage, not a checkpoint: after
-``flush()`` it is durable; a store written after its last flush is marked unclean and reopening it
-is refused unless ``allow_unclean=True``. Resident memory is bounded: on opening, the file's clean
-cached pages are dropped (``posix_fadvise(DONTNEED)``: pages cached by writes may be large folios,
-and a fault maps a whole folio) and the mapping is advised random access (no read-ahead or
-fault-around), so a touched row maps its own page or two; the pages touched through the mapping
-are released (``madvise(MADV_DONTNEED)``; written pages stay in the page cache and reach the file)
-whenever about ``resident_budget_bytes`` have been touched.
+The SSD store (``SsdRowStore``) lives in ``ssd_store.py``.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
-import os
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 
 from neorec.embedding.precision import stochastic_round_bf16, stochastic_round_fp16
 
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _PAYLOAD_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
-_FORMAT = "neorec-row-store"
-_VERSION = 1
-_PAGE = 4096
 _INIT_ROWS_BYTES = 1 << 24  # rows per write_range chunk when filling a store: about this many bytes
 
 
@@ -415,7 +397,7 @@ class RowStore:
         self.close()
 
 
-def _format(dim: int, precision: str, state: Optional[Mapping[str, int]], with_counts: bool) -> RowFormat:
+def row_format(dim: int, precision: str, state: Optional[Mapping[str, int]], with_counts: bool) -> RowFormat:
     return RowFormat(dim, precision, tuple((str(k), int(v)) for k, v in (state or {}).items()), bool(with_counts))
 
 
@@ -433,172 +415,5 @@ class DramRowStore(RowStore):
                  name: str = "") -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows <= 0:
             raise ValueError(f"row store {name!r}: num_rows must be a positive integer, got {num_rows!r}")
-        fmt = _format(dim, precision, state, with_counts)
+        fmt = row_format(dim, precision, state, with_counts)
         super().__init__(torch.zeros(num_rows, fmt.record_bytes, dtype=torch.uint8), fmt, stochastic_rounding, seed, name)
-
-
-class SsdRowStore(RowStore):
-    """Rows in a memory-mapped file ``<path>/rows.bin`` described by ``<path>/meta.json``.
-
-    Build with ``SsdRowStore.create(path, ...)`` (atomic; fails if ``path`` exists unless
-    ``overwrite``) or reopen with ``SsdRowStore.open(path)``.
-    """
-
-    kind = "ssd"
-    DEFAULT_RESIDENT_BUDGET = 256 << 20
-
-    def __init__(self, path: Path, meta: Dict, resident_budget_bytes: int, name: str = "") -> None:
-        fmt = RowFormat.from_json(meta["format"])
-        num_rows = int(meta["num_rows"])
-        self.path = Path(path)
-        self._meta = meta
-        self.resident_budget_bytes = int(resident_budget_bytes)
-        self._file = open(self.path / "rows.bin", "r+b")
-        size = os.fstat(self._file.fileno()).st_size
-        if size != num_rows * fmt.record_bytes:
-            self._file.close()
-            raise ValueError(f"row store {str(path)!r}: rows.bin holds {size} bytes, expected "
-                             f"{num_rows} rows x {fmt.record_bytes} bytes = {num_rows * fmt.record_bytes}")
-        if hasattr(os, "posix_fadvise"):
-            # drop the file's clean cached pages: pages cached by writes (or an earlier process) can
-            # be large folios, and a fault maps a whole folio; re-read under MADV_RANDOM they are
-            # single pages, so a touched row maps its own page or two
-            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        self._map = mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_WRITE)
-        if hasattr(mmap, "MADV_RANDOM"):
-            # rows are touched at random: no read-ahead, no fault-around
-            self._map.madvise(mmap.MADV_RANDOM)
-        array = np.frombuffer(self._map, dtype=np.uint8).reshape(num_rows, fmt.record_bytes)
-        super().__init__(torch.from_numpy(array), fmt, bool(meta["stochastic_rounding"]), meta["seed"],
-                         name or self.path.name)
-        self._clean = bool(meta["clean"])
-        self._touched_bytes = 0
-        self.releases = 0
-
-    # ------------------------------------------------------------------------------ create / open
-    @classmethod
-    def create(cls, path: str | os.PathLike, num_rows: int, dim: int, precision: str = "fp32",
-               state: Optional[Mapping[str, int]] = None, with_counts: bool = False,
-               stochastic_rounding: bool = True, seed: Optional[int] = 0,
-               fill: Optional[Callable[["SsdRowStore"], None]] = None, overwrite: bool = False,
-               resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET) -> "SsdRowStore":
-        """Create the store at ``path`` (a directory). ``fill(store)`` initialises the rows (e.g.
-        with ``store.fill(...)``) before the store is published; without it rows and state are 0."""
-        path = Path(path)
-        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows <= 0:
-            raise ValueError(f"row store {str(path)!r}: num_rows must be a positive integer, got {num_rows!r}")
-        fmt = _format(dim, precision, state, with_counts)
-        if path.exists() and not overwrite:
-            raise ValueError(f"row store {str(path)!r} already exists; open it with SsdRowStore.open or pass overwrite=True")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        meta = {"format_name": _FORMAT, "version": _VERSION, "num_rows": num_rows, "format": fmt.to_json(),
-                "stochastic_rounding": bool(stochastic_rounding), "seed": seed, "clean": True}
-        try:
-            with open(tmp / "rows.bin", "wb") as f:
-                f.truncate(num_rows * fmt.record_bytes)  # sparse: reads as zeros
-            _write_json(tmp / "meta.json", meta)
-            store = cls(tmp, meta, resident_budget_bytes, name=path.name)
-            if fill is not None:
-                fill(store)
-            store.flush()
-            store._close_map()
-            _fsync_dir(tmp)
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return cls.open(path, resident_budget_bytes=resident_budget_bytes)
-
-    @classmethod
-    def open(cls, path: str | os.PathLike, allow_unclean: bool = False,
-             resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET) -> "SsdRowStore":
-        """Reopen a store made by ``create``. Refuses one written after its last flush (a crash
-        or a missing ``close()``) unless ``allow_unclean``."""
-        path = Path(path)
-        meta_path = path / "meta.json"
-        if not meta_path.is_file():
-            raise ValueError(f"row store {str(path)!r}: no meta.json there (not a row store, or never created)")
-        try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"row store {str(path)!r}: meta.json is not valid JSON: {exc}") from None
-        if meta.get("format_name") != _FORMAT or meta.get("version") != _VERSION:
-            raise ValueError(f"row store {str(path)!r}: unknown format {meta.get('format_name')!r} "
-                             f"version {meta.get('version')!r}; expected {_FORMAT!r} version {_VERSION}")
-        if not meta["clean"] and not allow_unclean:
-            raise ValueError(f"row store {str(path)!r} was written after its last flush (crash or missing "
-                             f"close()); its rows may mix old and new values. Pass allow_unclean=True to open it anyway")
-        return cls(path, meta, resident_budget_bytes)
-
-    # ------------------------------------------------------------------------------ hooks
-    def _touched(self, num_records: int) -> None:
-        # a record spans at most two pages; count pages, not record bytes
-        self._touched_bytes += num_records * max(_PAGE, self.format.record_bytes)
-        if self._touched_bytes >= self.resident_budget_bytes:
-            self.release_pages()
-
-    def release_pages(self) -> None:
-        """Drop this process's mapped pages (RSS); written data stays in the page cache."""
-        if not self.closed and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)
-            self.releases += 1
-        self._touched_bytes = 0
-
-    def _before_write(self) -> None:
-        if self._clean:
-            self._clean = False
-            self._meta["clean"] = False
-            _write_json(self.path / "meta.json", self._meta)
-
-    # ------------------------------------------------------------------------------ lifecycle
-    def flush(self) -> None:
-        """msync the mapping, fsync the file, then mark the store clean."""
-        self._check_open()
-        self._map.flush()
-        os.fsync(self._file.fileno())
-        if not self._clean:
-            self._clean = True
-            self._meta["clean"] = True
-            _write_json(self.path / "meta.json", self._meta)
-
-    def _close_map(self) -> None:
-        self.records = torch.empty(0, self.format.record_bytes, dtype=torch.uint8)
-        self._map.close()
-        self._file.close()
-        self.closed = True
-
-    def close(self) -> None:
-        if not self.closed:
-            self.flush()
-            self._close_map()
-
-    def __del__(self) -> None:
-        # dropped without close(): like a crash, the rows written since the last flush reach the
-        # file (shared mapping) but the store stays marked unclean; just release the descriptor
-        file = getattr(self, "_file", None)
-        if file is not None and not file.closed:
-            file.close()
-
-
-def _write_json(path: Path, data: Dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from neorec.embedding.cache import CacheTooSmallError, SetAssociativeCache
-from neorec.embedding.storage import DramRowStore, SsdRowStore
+from neorec.embedding.ssd_store import SsdRowStore
+from neorec.embedding.storage import DramRowStore
 
 DIM = 4
 

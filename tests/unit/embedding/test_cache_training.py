@@ -9,7 +9,7 @@ LFU, with and without prefetch, several optimizers; and write-back loses nothing
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ import torch
 from neorec.embedding import EmbeddingBagCollection, SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.cached import CachedEmbeddingBagCollection, with_prefetch
 from neorec.embedding.locations import TableLocation
-from neorec.embedding.storage import SsdRowStore
+from neorec.embedding.ssd_store import SsdRowStore
 from neorec.sparse import KeyedJaggedTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:cache of table .* growing it:RuntimeWarning")

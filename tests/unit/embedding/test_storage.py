@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from neorec.embedding.storage import DramRowStore, SsdRowStore
+from neorec.embedding.ssd_store import SsdRowStore
+from neorec.embedding.storage import DramRowStore
 
 PRECISIONS = ["fp32", "fp16", "bf16", "int8"]
 STATE = {"momentum1": 1, "momentum2": 6}
