@@ -222,24 +222,28 @@ class SetAssociativeCache:
         """Slots for rows that missed (their home ``sets``), or -1 where the set has no usable way.
         The chosen slots are pinned with ``generation``.
 
-        Misses are sorted by set; the ``r``-th miss of every set takes that set's best remaining
-        victim (one ``argmin`` over the ways per rank ``r``: ranks rarely exceed a few, and the
-        first minimum makes ties go to the lowest way, deterministically)."""
-        count = rows.numel()
+        Misses are sorted by set and ranked within it; the ``r``-th miss of a set takes the set's
+        ``r``-th best victim. Sets with one miss (most) take theirs by one ``argmin`` over the ways,
+        the others by one sort of their ways; both put ties on the lowest way, deterministically."""
+        count, ways = rows.numel(), self.ways
         order = torch.argsort(sets, stable=True)
         set_ids, per_set = torch.unique_consecutive(sets.index_select(0, order), return_counts=True)
-        first = torch.cumsum(per_set, 0).sub_(per_set)
+        which = torch.repeat_interleave(torch.arange(set_ids.numel(), device=rows.device), per_set, output_size=count)
+        rank = torch.arange(count, device=rows.device) - torch.cumsum(per_set, 0).sub_(per_set).index_select(0, which)
         keys = self._victim_keys(set_ids)  # [D, ways]
-        chosen = torch.empty(count, dtype=torch.int64, device=rows.device)
-        active = torch.arange(set_ids.numel(), device=rows.device)
-        for rank in range(int(per_set.max())):
-            if rank:
-                active = active[per_set.index_select(0, active) > rank]
-            way = keys.index_select(0, active).argmin(1)
-            best = keys[active, way]
-            chosen[first.index_select(0, active) + rank] = torch.where(
-                best != _UNAVAILABLE, set_ids.index_select(0, active) * self.ways + way, -1)
-            keys[active, way] = _UNAVAILABLE
+        way = keys.argmin(1)
+        best = set_ids * ways + way
+        best.masked_fill_(keys.gather(1, way.unsqueeze(1)).squeeze(1) == _UNAVAILABLE, -1)
+        chosen = best.index_select(0, which)  # right for every set's first miss
+        later = rank > 0
+        if bool(later.any()):
+            several = (per_set > 1).nonzero().squeeze(1)
+            sorted_keys, way_order = torch.sort(keys.index_select(0, several), dim=1, stable=True)
+            position = torch.full_like(per_set, -1).index_put_((several,), torch.arange(several.numel(), device=rows.device))
+            in_several = position.index_select(0, which) >= 0
+            row, r = position.index_select(0, which)[in_several], rank[in_several].clamp(max=ways - 1)
+            ok = (rank[in_several] < ways) & (sorted_keys[row, r] != _UNAVAILABLE)
+            chosen[in_several] = torch.where(ok, set_ids.index_select(0, which[in_several]) * ways + way_order[row, r], -1)
         slots = torch.empty_like(chosen).index_put_((order,), chosen)
         placed = slots[slots >= 0]
         self.pinned_until[placed] = torch.clamp(self.pinned_until[placed], min=generation)
