@@ -263,6 +263,7 @@ def big_ssd_child(args) -> Dict:
     collection.flush()
     stats = collection.cache_stats()["t_feature_0"]
     out.update(steps=steps, cache_rows=collection.caches["t_feature_0"].num_slots, hit_rate=stats["hit_rate"],
+               evictions=stats["evictions"], write_backs=stats["write_backs"],
                store_bytes_read=stats["store_bytes_read"], store_bytes_written=stats["store_bytes_written"],
                page_releases=collection.caches["t_feature_0"].store.releases, memory_end=_memory())
     collection.close()
@@ -287,7 +288,9 @@ def section_big_ssd(args, workdir: str) -> Dict:
     rates = out["samples_per_s"]
     print(f"store created in {out['create_seconds']:.1f} s; {out['steps']} steps, samples/s with prefetch "
           f"{rates['prefetch']:,.0f}, without {rates['no_prefetch']:,.0f} (alternating chunks, medians); "
-          f"cache {out['cache_rows']:,} rows, hit rate {out['hit_rate']:.1%}")
+          f"cache {out['cache_rows']:,} rows, hit rate {out['hit_rate']:.1%}, {out['evictions']:,} evictions, "
+          f"{out['write_backs']:,} write-backs, store read {out['store_bytes_read'] / 2**20:,.0f} MiB, written "
+          f"{out['store_bytes_written'] / 2**20:,.0f} MiB")
     for when in ("memory_after_create", "memory_end"):
         m = out[when]
         print(f"{when}: peak RSS {m['VmHWM'] / gib:.2f} GiB, RSS {m['VmRSS'] / gib:.2f} GiB "
@@ -319,7 +322,7 @@ def main(argv=None) -> int:
     parser.add_argument("--big-rows", type=int, default=16_000_000)
     parser.add_argument("--big-dim", type=int, default=64)
     parser.add_argument("--big-steps", type=int, default=60)
-    parser.add_argument("--big-cache-rows", type=int, default=262_144)
+    parser.add_argument("--big-cache-rows", type=int, default=32_768)
     parser.add_argument("--data-limit-gb", type=float, default=1.0)
     parser.add_argument("--resident-budget-mb", type=int, default=256)
     parser.add_argument("--workdir", default="")
