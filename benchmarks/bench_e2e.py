@@ -25,7 +25,7 @@ median samples/s over runs (global samples / rank 0's wall time) and neorec / to
 threads: cores / ranks for both (``--threads``). The loss of every step is kept, and the mean of the first and last
 tenth of the steps is printed, to show both really train.
 
-Run (repository root, venv active, peers from benchmarks/requirements-peers.txt; ~15 min on 2 cores):
+Run (repository root, venv active, peers: `pip install -r benchmarks/requirements-peers.txt && pip install --no-deps torchrec==1.8.0`; ~15 min on 2 cores):
 
     python benchmarks/bench_e2e.py --out benchmarks/results/bench_e2e.json
 
