@@ -1,5 +1,6 @@
 """The Triton kernels (table-batched embedding and cache) compile for NVIDIA GPUs (sm_80, down to
-a cubin with the bundled ptxas), even on a machine without one: catches typing and lowering errors that the CPU interpreter lets through.
+a cubin with the bundled ptxas), even on a machine without one: catches typing and lowering errors
+that the CPU interpreter lets through.
 
     python -m pytest tests/gpu/test_triton_compile.py -q
 """
