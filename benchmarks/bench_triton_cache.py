@@ -132,8 +132,8 @@ def run_config(config: CacheBenchConfig, device: torch.device, repeats: int, cop
             cache.pinned_until.copy_(saved_pins)
 
     outputs = {}
+    restore()
     for kernel, cache in caches.items():
-        restore()
         outputs[kernel] = (cache._find(ids), cache._place(miss_ids, miss_sets, cache.generation + 1))
     (torch_found, torch_sets), torch_placed = outputs["torch"]
     (triton_found, triton_sets), triton_placed = outputs["triton"]
