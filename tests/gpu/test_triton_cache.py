@@ -166,7 +166,7 @@ def test_training_through_kernel_cache_is_bit_identical(monkeypatch, policy):
     assert all(c.uses_triton for c in modules["triton"].caches.values())
     assert not any(c.uses_triton for c in modules["torch"].caches.values())
     generator = torch.Generator().manual_seed(1)
-    stream = batches(6)
+    stream = batches(4)
     for step, kjt in enumerate(stream):
         if step + 1 < len(stream):  # the next batch's rows load (and are pinned) during this step
             for module in modules.values():
