@@ -102,15 +102,15 @@ def test_kernels_equal_torch_find_and_place(policy, ways, num_sets):
 
 
 def test_place_edge_cases_and_empty_inputs():
-    slot_rows = torch.full((8,), -1, dtype=torch.int64)
-    zeros = torch.zeros(8, dtype=torch.int64)
+    slot_rows = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    zeros = torch.zeros(8, dtype=torch.int64, device=DEVICE)
     pinned = zeros.clone()
     slots = triton_cache.cache_place(slot_rows, zeros, zeros, pinned, 4, False, 0, 3,
-                                     torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int64))
+                                     torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int64, device=DEVICE))
     # all ways empty with equal keys: lowest way first; the fifth miss of set 1 finds no way
     assert slots.tolist() == [4, 5, 6, 7, -1, 0]
     assert pinned.tolist() == [3, 0, 0, 0, 3, 3, 3, 3]
-    empty = torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
     assert triton_cache.cache_place(slot_rows, zeros, zeros, pinned, 4, True, 0, 3, empty).numel() == 0
     found, sets = triton_cache.cache_find(slot_rows, 2, 4, empty, 12345)
     assert found.numel() == 0 and sets.numel() == 0
@@ -120,7 +120,8 @@ def test_kernel_choice():
     assert not make_cache(4, 2, "lru", "auto").uses_triton  # CPU tensors: torch ops, even when interpreting
     with pytest.raises(ValueError, match=r"cache 't': kernel must be one of"):
         make_cache(4, 2, "lru", "cuda")
-    assert choose_cache_kernel("triton", torch.device("cpu"), "t")
+    assert choose_cache_kernel("triton", torch.device(DEVICE), "t")
+    assert make_cache(4, 2, "lru", "auto", DEVICE).uses_triton == (DEVICE == "cuda")
 
 
 def test_kernel_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -147,7 +148,8 @@ def batches(count: int, batch_size: int = 16):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_training_through_kernel_cache_is_bit_identical(monkeypatch, policy):
     """Same pooled outputs at every step, same rows and state in the stores after a flush, and
-    the same cache statistics, with prefetch, evictions and (ways=4, 32 slots) transient rows."""
+    the same cache statistics, with prefetch, evictions and (ways=4, 32 slots) transient rows.
+    With CUDA all three modules run there (the fused op then takes its Triton path in all three)."""
     calls = {"find": 0, "place": 0}
     for name in calls:
         real = getattr(triton_cache, f"cache_{name}")
@@ -160,20 +162,21 @@ def test_training_through_kernel_cache_is_bit_identical(monkeypatch, policy):
     optimizer = SparseOptimizerConfig(kind="rowwise_adagrad", learning_rate=0.1)
     locations = {"a": TableLocation("cached_dram", cache_rows=32, ways=4, policy=policy),
                  "b": TableLocation("cached_dram", cache_rows=64, ways=8, policy=policy)}
-    plain = EmbeddingBagCollection(TABLES, optimizer, init_seed=4)
+    plain = EmbeddingBagCollection(TABLES, optimizer, init_seed=4, device=DEVICE)
     modules = {kernel: CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations, init_seed=4,
-                                                    cache_kernel=kernel) for kernel in ("torch", "triton")}
+                                                    device=DEVICE, cache_kernel=kernel)
+               for kernel in ("torch", "triton")}
     assert all(c.uses_triton for c in modules["triton"].caches.values())
     assert not any(c.uses_triton for c in modules["torch"].caches.values())
     generator = torch.Generator().manual_seed(1)
-    stream = batches(4)
+    stream = [kjt.to(DEVICE) for kjt in batches(4)]
     for step, kjt in enumerate(stream):
         if step + 1 < len(stream):  # the next batch's rows load (and are pinned) during this step
             for module in modules.values():
                 module.prefetch(stream[step + 1])
         outputs = [module(kjt).values for module in (plain, modules["torch"], modules["triton"])]
         assert torch.equal(outputs[1], outputs[0]) and torch.equal(outputs[2], outputs[1]), f"step {step}"
-        grad = torch.randn(outputs[0].shape, generator=generator)
+        grad = torch.randn(outputs[0].shape, generator=generator).to(DEVICE)
         for output in outputs:
             (output * grad).sum().backward()
     assert calls["find"] > 0 and calls["place"] > 0
