@@ -53,6 +53,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from neorec.embedding import cache_kernels
 from neorec.embedding.storage import RowStore
 
 POLICIES = ("lru", "lfu")
@@ -132,10 +133,13 @@ class SetAssociativeCache:
             has counts (``with_counts=True``), else counts accesses since the row was loaded.
         background: run prefetch data movement in a worker thread.
         name: used in error messages.
+        kernel: "auto" (Triton lookup/victim kernels for CUDA tensors when triton is installed,
+            else torch ops), "torch", or "triton" (insist); see ``cache_kernels.py``.
     """
 
     def __init__(self, store: RowStore, weights: torch.Tensor, state: Optional[Dict[str, torch.Tensor]] = None,
-                 ways: int = 32, policy: str = "lru", background: bool = False, name: str = "") -> None:
+                 ways: int = 32, policy: str = "lru", background: bool = False, name: str = "",
+                 kernel: str = "auto") -> None:
         self.name = name or store.name
         if policy not in POLICIES:
             raise ValueError(f"cache {self.name!r}: policy must be one of {POLICIES}, got {policy!r}")
@@ -152,6 +156,8 @@ class SetAssociativeCache:
         self.bind(weights, state or {})
         device = weights.device
         self.device = device
+        self.kernel = kernel
+        self.uses_triton = cache_kernels.choose_cache_kernel(kernel, device, self.name)
         self.slot_rows = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.last_use = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -193,6 +199,8 @@ class SetAssociativeCache:
 
     def _find(self, rows: torch.Tensor):
         """(slot of each row or -1 [n], home set [n]) for unique ``rows`` [n]."""
+        if self.uses_triton:
+            return cache_kernels.find(self, rows, _HASH)
         sets = self._home_sets(rows)
         slots = torch.empty_like(rows)
         table = self.slot_rows.view(self.num_sets, self.ways)
@@ -225,6 +233,8 @@ class SetAssociativeCache:
         Misses are sorted by set and ranked within it; the ``r``-th miss of a set takes the set's
         ``r``-th best victim. Sets with one miss (most) take theirs by one ``argmin`` over the ways,
         the others by one sort of their ways; both put ties on the lowest way, deterministically."""
+        if self.uses_triton:
+            return cache_kernels.place(self, sets, generation)
         count, ways = rows.numel(), self.ways
         order = torch.argsort(sets, stable=True)
         set_ids, per_set = torch.unique_consecutive(sets.index_select(0, order), return_counts=True)

@@ -100,6 +100,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         locations: {table name: TableLocation}; tables not named stay on the device.
         separate_host_tables: put "dram" tables in a second fused module on the CPU (default:
             when ``device`` is not the CPU). Tests set it on a CPU run to check that path.
+        cache_kernel: the caches' lookup/victim implementation, "auto" (Triton on CUDA when
+            installed), "torch" or "triton" (see ``cache_kernels.py``).
 
     Attributes: ``tables``, ``feature_names``, ``embedding_dims``, ``tbe`` (device tables and cache
     slots), ``host_tbe`` (or None), ``caches`` {table: SetAssociativeCache}, ``locations``.
@@ -108,7 +110,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizerConfig = SparseOptimizerConfig(),
                  storage: StorageConfig = StorageConfig(), locations: Optional[Mapping[str, TableLocation]] = None,
                  device: Optional[torch.device | str] = None, init_seed: int = 0,
-                 separate_host_tables: Optional[bool] = None) -> None:
+                 separate_host_tables: Optional[bool] = None, cache_kernel: str = "auto") -> None:
         super().__init__()
         self.tables: List[TableConfig] = validate_tables(tables)
         names = [t.name for t in self.tables]
@@ -149,7 +151,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             weights, state = self._slot_storage(table.name)
             self.caches[table.name] = SetAssociativeCache(
                 stores[table.name], weights, state, ways=shapes[table.name][1], policy=location.policy,
-                background=location.background_prefetch, name=table.name)
+                background=location.background_prefetch, name=table.name, kernel=cache_kernel)
         self._table_of = {t.name: t for t in self.tables}
         self._generation = 0
         self._pending_update = False
@@ -197,7 +199,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         stats = old_cache.stats
         self.caches[name] = SetAssociativeCache(old_cache.store, *self._slot_storage(name), ways=ways,
                                                 policy=old_cache.policy,
-                                                background=self.locations[name].background_prefetch, name=name)
+                                                background=self.locations[name].background_prefetch, name=name,
+                                                kernel=old_cache.kernel)
         self.caches[name].stats = stats
         old_cache.shutdown()
         for other, cache in self.caches.items():

@@ -1,5 +1,6 @@
-"""The Triton kernels compile for NVIDIA GPUs (sm_80, down to a cubin with the bundled ptxas), even
-on a machine without one: catches typing and lowering errors that the CPU interpreter lets through.
+"""The Triton kernels (table-batched embedding and cache) compile for NVIDIA GPUs (sm_80, down to
+a cubin with the bundled ptxas), even on a machine without one: catches typing and lowering errors
+that the CPU interpreter lets through.
 
     python -m pytest tests/gpu/test_triton_compile.py -q
 """
@@ -50,6 +51,20 @@ chunk_signature = dict(
     partial_stride="i32", BLOCK_L="constexpr", BLOCK_D="constexpr")
 triton.compile(ASTSource(k._chunk_partial_kernel, chunk_signature, constexprs=dict(BLOCK_L=8, BLOCK_D=128)),
                target=target)
+from neorec.embedding.kernels import triton_cache as c
+find_signature = dict(rows_ptr="*i64", slot_rows_ptr="*i64", out_slots_ptr="*i64", out_sets_ptr="*i64",
+                      num_rows="i32", num_sets="i32", ways="i32", hash_multiplier="i64",
+                      BLOCK="constexpr", BLOCK_W="constexpr")
+assert triton.compile(ASTSource(c._cache_find_kernel, find_signature, constexprs=dict(BLOCK=128, BLOCK_W=32)),
+                      target=target).asm["cubin"]
+place_signature = dict(slot_rows_ptr="*i64", last_use_ptr="*i64", counts_ptr="*i64", pinned_until_ptr="*i64",
+                       set_ids_ptr="*i64", set_starts_ptr="*i64", set_counts_ptr="*i64", order_ptr="*i64",
+                       out_slots_ptr="*i64", ways="i32", completed="i64", generation="i64", LFU="constexpr",
+                       UNAVAILABLE="constexpr", LFU_MASK="constexpr", BLOCK_W="constexpr")
+for lfu in (False, True):
+    constants = dict(LFU=lfu, UNAVAILABLE=c._UNAVAILABLE, LFU_MASK=c._LFU_MASK, BLOCK_W=32)
+    assert triton.compile(ASTSource(c._cache_place_kernel, place_signature, constexprs=constants),
+                          target=target).asm["cubin"]
 print("compiled")
 """
 

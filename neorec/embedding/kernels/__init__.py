@@ -4,6 +4,8 @@
 * ``reference``: plain-torch forward and fused backward-optimizer (loops; the tests' yardstick).
 * ``triton_tbe``: the Triton kernels (optional: ``pip install 'neorec[gpu]'``). Import it only
   after ``triton_available()`` says yes; nothing here imports triton at package import time.
+* ``triton_cache``: Triton kernels of the embedding cache's tag lookup and victim choice (same
+  rule; dispatched by ``neorec/embedding/cache_kernels.py``).
 
 Checks on a CPU-only machine: ``TRITON_INTERPRET=1 python -m pytest tests/gpu -m triton -q``
 """
