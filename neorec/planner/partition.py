@@ -94,27 +94,45 @@ class _State:
             self.host[r] += sign * o.memory.host
             self.ssd[r] += sign * o.memory.ssd
 
-    def place(self, option: ShardOption) -> Optional[Tuple[int, ...]]:
-        """The ranks this option would use now (None if it does not fit)."""
+    def fill(self, rank: int) -> float:
+        c = self.cap
+        return max(self.device[rank] / c.device if c.device else 0.0, self.host[rank] / c.host if c.host else 0.0,
+                   self.ssd[rank] / c.ssd if c.ssd else 0.0)
+
+    def place(self, option: ShardOption, by_memory: bool = False) -> Optional[Tuple[int, ...]]:
+        """The ranks this option would use now (None if it does not fit): the least loaded, or
+        with ``by_memory`` the least full."""
         k = option.num_pieces
+        key = (lambda r: (self.fill(r), self.load[r], r)) if by_memory else (lambda r: (self.load[r], r))
         if option.placement == "all":
             return tuple(range(self.world)) if all(self.fits(r, option) for r in range(self.world)) else None
         if option.placement == "any":
             room = [r for r in range(self.world) if self.fits(r, option)]
             if len(room) < k:
                 return None
-            return tuple(sorted(heapq.nsmallest(k, room, key=lambda r: (self.load[r], r))))
+            return tuple(sorted(heapq.nsmallest(k, room, key=key)))
         best: Optional[Tuple[float, Tuple[int, ...]]] = None
         for node in range(self.world // self.per_node):
             ranks = range(node * self.per_node, (node + 1) * self.per_node)
             room = [r for r in ranks if self.fits(r, option)]
             if len(room) < k:
                 continue
-            chosen = heapq.nsmallest(k, room, key=lambda r: (self.load[r], r))
-            peak = max(self.load[r] for r in chosen)
+            chosen = heapq.nsmallest(k, room, key=key)
+            peak = max(self.fill(r) if by_memory else self.load[r] for r in chosen)
             if best is None or peak < best[0] - EPS:
                 best = (peak, tuple(sorted(chosen)))
         return None if best is None else best[1]
+
+    def fullest_after(self, ranks: Sequence[int], option: ShardOption) -> float:
+        """The fullest tier of the fullest of ``ranks`` once ``option`` is added (fraction)."""
+        m, c = option.memory, self.cap
+        worst = 0.0
+        for r in ranks:
+            for used, need, cap in ((self.device[r], m.device, c.device), (self.host[r], m.host, c.host),
+                                    (self.ssd[r], m.ssd, c.ssd)):
+                if cap > 0:
+                    worst = max(worst, (used + need) / cap)
+        return worst
 
     def peak_after(self, ranks: Sequence[int], seconds: float, base_peak: float) -> float:
         return max(base_peak, max(self.load[r] for r in ranks) + seconds)
@@ -143,31 +161,14 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
               bound_steps: int = 60) -> PartitionResult:
     """See the module docstring. ``options``: table name -> its options (non-empty lists)."""
     start = time.perf_counter()
-    state = _State(topo, capacity)
-    world = state.world
-    min_work = {name: min(o.work for o in opts) for name, opts in options.items()}
-    order = sorted(options, key=lambda name: (-min_work[name], name))
-    remaining = sum(min_work.values())
-    placed_work = 0.0
-    placements: Dict[str, Placement] = {}
-    for name in order:
-        remaining -= min_work[name]
-        peak = max(state.load)
-        best = None
-        for option in options[name]:
-            ranks = state.place(option)
-            if ranks is None:
-                continue
-            projected = (placed_work + option.work + remaining) / world
-            score = (max(state.peak_after(ranks, option.piece_seconds, peak), projected), option.work)
-            if best is None or score < best[0]:
-                best = (score, Placement(option, ranks))
-        if best is None:
-            raise InfeasiblePlanError(f"table {name!r} does not fit after placing {len(placements)} other tables "
-                                      f"(the cluster is too full); tightest limit: {_tightest(state, options[name])}")
-        placements[name] = best[1]
-        state.apply(best[1], +1)
-        placed_work += best[1].option.work
+    world = topo.world_size
+    try:
+        state, placements = _greedy(options, topo, capacity, "time")
+    except InfeasiblePlanError:
+        try:
+            state, placements = _greedy(options, topo, capacity, "footprint")
+        except InfeasiblePlanError:
+            state, placements = _greedy(options, topo, capacity, "fill")
     greedy = max(state.load)
     bound = lower_bound(options, world)
     best_loads, best_placements = max(state.load), dict(placements)
@@ -230,6 +231,51 @@ def _pack_to_target(options: Dict[str, List[ShardOption]], topo: Topology, capac
         placements[name] = Placement(best[1], best[2])
         state.apply(placements[name], +1)
     return state, {n: placements[n] for n in options}
+
+
+def _greedy(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
+            goal: str) -> Tuple[_State, Dict[str, Placement]]:
+    """``goal`` "time": longest processing time first (see the module docstring). The fallbacks
+    when memory is tight place the largest tables first on the least full ranks: "footprint"
+    (best-fit decreasing) takes the option with the smallest total footprint (all pieces, all
+    tiers, buffers included), "fill" the option that leaves its fullest rank and tier least full."""
+    memory_first = goal != "time"
+    state = _State(topo, capacity)
+    world = state.world
+    min_work = {name: min(o.work for o in opts) for name, opts in options.items()}
+    if memory_first:
+        size = {name: min((o.memory.device + o.memory.host + o.memory.ssd) * o.num_pieces for o in opts)
+                for name, opts in options.items()}
+        order = sorted(options, key=lambda name: (-size[name], name))
+    else:
+        order = sorted(options, key=lambda name: (-min_work[name], name))
+    remaining = sum(min_work.values())
+    placed_work = 0.0
+    placements: Dict[str, Placement] = {}
+    for name in order:
+        remaining -= min_work[name]
+        peak = max(state.load)
+        best = None
+        for option in options[name]:
+            ranks = state.place(option, by_memory=memory_first)
+            if ranks is None:
+                continue
+            if memory_first:
+                fill = state.fullest_after(ranks, option)
+                footprint = (option.memory.device + option.memory.host + option.memory.ssd) * option.num_pieces
+                score = (footprint, fill, option.work) if goal == "footprint" else (round(fill, 3), option.work)
+            else:
+                projected = (placed_work + option.work + remaining) / world
+                score = (max(state.peak_after(ranks, option.piece_seconds, peak), projected), option.work)
+            if best is None or score < best[0]:
+                best = (score, Placement(option, ranks))
+        if best is None:
+            raise InfeasiblePlanError(f"table {name!r} does not fit after placing {len(placements)} other tables "
+                                      f"(the cluster is too full); tightest limit: {_tightest(state, options[name])}")
+        placements[name] = best[1]
+        state.apply(best[1], +1)
+        placed_work += best[1].option.work
+    return state, placements
 
 
 def _improve(state: _State, placements: Dict[str, Placement], options: Dict[str, List[ShardOption]]) -> bool:

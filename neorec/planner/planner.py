@@ -110,8 +110,9 @@ def _levels(settings: PlanSettings) -> List[PlanSettings]:
 
 
 def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
-                time_limit: float = 2.0) -> PlanResult:
-    """Plan ``tables`` on ``topology``; see the module docstring."""
+                time_limit: float = 10.0, max_rounds: int = 10_000) -> PlanResult:
+    """Plan ``tables`` on ``topology``; see the module docstring. ``time_limit`` bounds each
+    attempt's search (seconds); with ``time_limit=inf`` the result depends on the inputs only."""
     if not tables:
         raise ValueError("planner: no tables to plan")
     names = [t.name for t in tables]
@@ -123,7 +124,7 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
         try:
             options: Dict[str, List[ShardOption]] = {t.name: enumerate_options(t, topology, level, capacity)
                                                       for t in tables}
-            result = partition(options, topology, capacity, time_limit=time_limit)
+            result = partition(options, topology, capacity, time_limit=time_limit, max_rounds=max_rounds)
         except InfeasiblePlanError as exc:
             error = exc
             continue
