@@ -267,5 +267,5 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
     else:
         memory.device, memory.ssd = cached, stored
     if kind != ShardingType.DATA_PARALLEL:
-        memory.device += 2 * (ids * ID_BYTES + glob * piece_cols * 4)  # double-buffered id and output buffers
+        memory.device += 2 * ((ids + glob) * ID_BYTES + glob * piece_cols * 4)  # double-buffered ids+lengths, outputs
     return cost, memory
