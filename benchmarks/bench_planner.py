@@ -7,7 +7,8 @@
    every baseline on every task.
 2. ``paper``: Model-A/F/I presets on 16 ZionEX nodes: predicted QPS (with and without
    pipelining) against the paper's 1.2M / 1.7M / 3.4M, and 1 -> 16 node scaling efficiency of A
-   and I against ~50% / ~75%. No constant is tuned to the paper; the ratios are what they are.
+   and I against ~50% / ~75%, both for the same model on every cluster size and for a model
+   whose rows grow with the node count (same bytes per rank). No constant is tuned to the paper; the ratios are what they are.
 
 Run (from the repository root, venv active; a few minutes on 2 cores):
 
@@ -83,12 +84,13 @@ def run_suite(num_tasks: int, time_limit: float) -> dict:
     return {"rows": rows, "summary": summary}
 
 
-def run_paper(time_limit: float, nodes=(1, 2, 4, 8, 16)) -> dict:
+def run_paper(rounds: int, models, nodes=(1, 2, 4, 8, 16)) -> dict:
+    time_limit = float("inf")  # deterministic: a fixed number of search rounds
     out = {}
-    for name in ("neo-model-a", "neo-model-f", "neo-model-i"):
+    for name in models:
         preset = get_model_preset(name)
         start = time.perf_counter()
-        result = plan_tables(preset.tables, zionex(16), preset.settings, time_limit=time_limit)
+        result = plan_tables(preset.tables, zionex(16), preset.settings, time_limit=time_limit, max_rounds=rounds)
         sim = simulate(result, preset.dense)
         entry = {"paper_qps": preset.paper_qps, "qps": sim.qps, "pipelined_qps": sim.pipelined_qps,
                  "ratio_pipelined": sim.pipelined_qps / preset.paper_qps, "ratio_unpipelined": sim.qps / preset.paper_qps,
@@ -102,12 +104,14 @@ def run_paper(time_limit: float, nodes=(1, 2, 4, 8, 16)) -> dict:
               f"{entry['precisions']} {entry['tiers']} {entry['types']}; phases ms "
               + ", ".join(f"{k} {v:.2f}" for k, v in entry["phases_ms"].items()), flush=True)
         if preset.paper_scaling_efficiency is not None:
-            rows = scaling(preset.tables, zionex(), preset.settings, preset.dense, nodes, time_limit=time_limit)
-            entry["scaling"] = rows
             entry["paper_scaling_efficiency"] = preset.paper_scaling_efficiency
-            for row in rows:
-                print(f"   {row['nodes']:>2} nodes: {row['pipelined_qps']:>12,.0f} QPS, efficiency "
-                      f"{row['efficiency']:.2f} {row['precisions']} {row['tiers']}", flush=True)
+            for label, scale in (("scaling_fixed_model", False), ("scaling_model_grows_with_nodes", True)):
+                rows = scaling(preset.tables, zionex(), preset.settings, preset.dense, nodes, time_limit=time_limit,
+                               scale_model=scale, max_rounds=rounds)
+                entry[label] = rows
+                for row in rows:
+                    print(f"   {label}: {row['nodes']:>2} nodes: {row['pipelined_qps']:>12,.0f} QPS, efficiency "
+                          f"{row['efficiency']:.2f} {row['precisions']} {row['tiers']}", flush=True)
         out[name] = entry
     return out
 
@@ -115,9 +119,11 @@ def run_paper(time_limit: float, nodes=(1, 2, 4, 8, 16)) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("suite", "paper", "all"), default="all")
+    parser.add_argument("--models", default="neo-model-a,neo-model-f,neo-model-i")
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--time-limit", type=float, default=2.0, help="planner search seconds per suite task")
-    parser.add_argument("--paper-time-limit", type=float, default=20.0, help="planner search seconds per model")
+    parser.add_argument("--paper-rounds", type=int, default=300,
+                        help="improvement-search rounds per model plan (no time limit: deterministic)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     report = {"machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -125,7 +131,7 @@ def main() -> None:
     if args.part in ("suite", "all"):
         report["suite"] = run_suite(args.tasks, args.time_limit)
     if args.part in ("paper", "all"):
-        report["paper"] = run_paper(args.paper_time_limit)
+        report["paper"] = run_paper(args.paper_rounds, args.models.split(","))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

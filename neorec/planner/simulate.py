@@ -16,6 +16,7 @@ during the dense backward, so only what exceeds them is exposed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence
 
@@ -84,13 +85,21 @@ def simulate(result: PlanResult, dense: DenseModel) -> Simulation:
 
 
 def scaling(tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings, dense: DenseModel,
-            nodes: Sequence[int] = (1, 2, 4, 8, 16), time_limit: float = 10.0) -> List[dict]:
-    """Plan and simulate the same model (same local batch) on 1, 2, 4 ... nodes; efficiency =
-    QPS(n) / (n x QPS(first))."""
+            nodes: Sequence[int] = (1, 2, 4, 8, 16), time_limit: float = 10.0,
+            scale_model: bool = False, max_rounds: int = 10_000) -> List[dict]:
+    """Plan and simulate the model (same local batch) on 1, 2, 4 ... nodes; efficiency =
+    QPS(n) / (n x QPS(first)). ``scale_model``: the tables' rows grow with the node count
+    (n / largest n of them), so every rank holds about the same bytes at every size (weak scaling
+    of model and cluster together); otherwise the same model everywhere, which on few nodes may
+    need slower tiers or lower precision."""
     rows: List[dict] = []
     for n in nodes:
         topo = topology.with_nodes(n)
-        result = plan_tables(tables, topo, settings, time_limit=time_limit)
+        specs = list(tables)
+        if scale_model:
+            factor = n / max(nodes)
+            specs = [dataclasses.replace(t, num_rows=max(1, int(t.num_rows * factor))) for t in tables]
+        result = plan_tables(specs, topo, settings, time_limit=time_limit, max_rounds=max_rounds)
         sim = simulate(result, dense)
         rows.append({"nodes": n, "ranks": topo.world_size, "qps": sim.qps, "pipelined_qps": sim.pipelined_qps,
                      "iteration_ms": sim.iteration_seconds * 1e3,

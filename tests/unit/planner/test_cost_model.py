@@ -106,3 +106,24 @@ def test_bad_specs_and_settings_are_rejected():
         PlanSettings(optimizer="lamb")
     with pytest.raises(ValueError, match="precisions"):
         PlanSettings(precisions=("int4",))
+
+
+def test_bytes_agree_with_the_collectives_byte_counts_of_bench_sharding():
+    """At 1 B/s per link the seconds are bytes: the model's traffic for bench_sharding's reference
+    job on 2 ranks equals what CommStats counted at the collectives (benchmarks/RESULTS.md,
+    Sharding: MB per step)."""
+    tables = [TableSpec(f"t{i}", r, 16, 2.0) for i, r in enumerate([100000, 50000, 20000, 10000, 5000, 2000, 1000, 100])]
+    topo = Topology("unit", 1, 2, 1e12, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0)
+    settings = PlanSettings(batch_size=1024)
+    measured_mb = {  # kind: (input ids + lengths, output, replica all-reduce), summed over ranks
+        ShardingType.TABLE_WISE: (0.197, 0.524, 0.0), ShardingType.ROW_WISE: (0.263, 1.049, 0.0),
+        ShardingType.COLUMN_WISE: (0.394, 0.524, 0.0), ShardingType.DATA_PARALLEL: (0.0, 0.0, 24.077)}
+    for kind, expected in measured_mb.items():
+        pieces = 1 if kind == ShardingType.TABLE_WISE else 2
+        totals = [0.0, 0.0, 0.0]
+        for t in tables:
+            cost, _ = piece_cost(t, kind, pieces, "device", "fp32", topo, settings)
+            totals[0] += cost.input_comm * pieces
+            totals[1] += cost.output_comm * pieces
+            totals[2] += cost.allreduce * pieces
+        assert [round(v / 1e6, 3) for v in totals] == pytest.approx(list(expected), abs=0.0015), kind
