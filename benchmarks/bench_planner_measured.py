@@ -2,8 +2,9 @@
 sharded embeddings on gloo (2 and 4 ranks, several plans).
 
 For each world size W in --worlds: calibrate the local-cpu topology for W ranks
-(``neorec.planner.calibrate``), make several plans of one set of tables (the planner's, and the
-planner restricted to table-wise / row-wise / column-wise / table-wise + data-parallel), then run
+(``neorec.planner.calibrate``), make several plans of one set of tables (the planner's, the
+planner restricted to row-wise / column-wise, and hand-made table-wise plans: all on rank 0, round
+robin, the largest table row-wise and the rest on the last rank), then run
 ``ShardedEmbeddingBagCollection`` forward + backward on W gloo processes (one thread each) and
 measure, per rank, the median over the steps of
 - compute: the rank's fused lookup forward + backward (with the optimizer) on its received ids,
@@ -42,20 +43,37 @@ import torch.multiprocessing as mp
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.planner.calibrate import calibrate
 from neorec.planner.cost_model import PlanSettings, TableSpec
-from neorec.planner.planner import plan_tables
+from neorec.planner.planner import evaluate_plan, plan_tables
 from neorec.planner.presets import DenseModel
 from neorec.planner.simulate import simulate
-from neorec.sharding import ShardedEmbeddingBagCollection, ShardingPlan
+from neorec.sharding import ShardedEmbeddingBagCollection, ShardingPlan, row_wise, table_wise
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 BATCH = 512
-VARIANTS = {
+VARIANTS = {  # planner runs restricted to these sharding types, plus hand-made plans (None)
     "planner": ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "table_column_wise"),
-    "table_wise": ("table_wise",),
     "row_wise": ("row_wise",),
     "column_wise": ("column_wise",),
-    "table_wise+data_parallel": ("table_wise", "data_parallel"),
+    "all_on_rank_0": None,
+    "round_robin": None,
+    "largest_row_wise_rest_on_last_rank": None,
 }
+
+
+def hand_plan(name: str, tables: List[TableSpec], world: int) -> ShardingPlan:
+    configs = {t.name: TableConfig(t.name, t.num_rows, t.dim) for t in tables}
+    largest = max(tables, key=lambda t: t.num_rows * t.dim).name
+    plans = {}
+    for i, t in enumerate(tables):
+        if name == "all_on_rank_0":
+            plans[t.name] = table_wise(configs[t.name], 0)
+        elif name == "round_robin":
+            plans[t.name] = table_wise(configs[t.name], i % world)
+        elif t.name == largest:
+            plans[t.name] = row_wise(configs[t.name], list(range(world)))
+        else:
+            plans[t.name] = table_wise(configs[t.name], world - 1)
+    return ShardingPlan(plans, world, world)
 
 
 def make_tables(seed: int = 0) -> List[TableSpec]:
@@ -136,8 +154,11 @@ def run_world(world: int, steps: int, tables: List[TableSpec], calibration_dir: 
     topo = calibrate(world, Path(calibration_dir) / f"local-cpu-{world}.json")
     plans, predicted = {}, {}
     for name, types in VARIANTS.items():
-        settings = PlanSettings(batch_size=BATCH, sharding_types=types, device_reserve_fraction=0.0)
-        result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
+        settings = PlanSettings(batch_size=BATCH, sharding_types=types or ("table_wise",), device_reserve_fraction=0.0)
+        if types is None:
+            result = evaluate_plan(hand_plan(name, tables, world), tables, topo, settings)
+        else:
+            result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
         plans[name] = result.plan.to_json()
         sim = simulate(result, DenseModel())
         predicted[name] = {"compute": [r.cost.compute for r in result.ranks()], "step": sim.iteration_seconds}

@@ -50,6 +50,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--report", metavar="FILE.json", help="write the full report (per rank, per table) here")
     plan.add_argument("--chart", metavar="FILE.png", help="write a PNG chart of per-rank load (needs matplotlib)")
     plan.add_argument("--scaling", action="store_true", help="also simulate 1, 2, 4, ... nodes up to --nodes")
+    plan.add_argument("--scale-model", action="store_true",
+                      help="with --scaling: table rows grow with the node count (same bytes per rank at every size)")
     plan.add_argument("--all-ranks", action="store_true", help=f"print every rank (default: at most {MAX_RANK_ROWS})")
     plan.add_argument("--calibrate-ranks", type=int, default=2, metavar="N", help="ranks to calibrate for (default 2)")
     plan.add_argument("--calibration-out", metavar="FILE.json", help="where --calibrate writes (default: the cache)")
@@ -124,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         while n <= topo.num_nodes:
             counts.append(n)
             n *= 2
-        rows = scaling(tables, topo, settings, dense, counts, time_limit=args.time_limit)
+        rows = scaling(tables, topo, settings, dense, counts, time_limit=args.time_limit, scale_model=args.scale_model)
         report["scaling"] = rows
         print("nodes  ranks  iteration ms (pipelined)         QPS   efficiency")
         for row in rows:

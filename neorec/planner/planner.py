@@ -133,3 +133,41 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
         return PlanResult(plan, result.placements, result, topology, level, list(tables))
     assert error is not None
     raise error
+
+
+def evaluate_plan(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
+                  tiers: Dict[str, str] | None = None) -> PlanResult:
+    """The cost model applied to a given ``plan`` (any plan, e.g. hand-written or a baseline):
+    a ``PlanResult`` whose per-rank costs and memory can be compared and simulated. Pieces are
+    costed as even pieces of their type; ``tiers`` per table default to "device"."""
+    from neorec.planner.cost_model import piece_cost
+    from neorec.planner.enumerate import Capacity
+
+    specs = {t.name: t for t in tables}
+    plan.validate([_table_config(t) for t in tables], topology.world_size)
+    placements: Dict[str, Placement] = {}
+    loads = [0.0] * topology.world_size
+    for name, entry in plan.tables.items():
+        kind = entry.sharding_type
+        tier = (tiers or {}).get(name, "device")
+        precision = entry.precision or settings.precisions[0]
+        if kind == ShardingType.DATA_PARALLEL:
+            ranks, placement = tuple(range(topology.world_size)), "all"
+        else:
+            ranks = tuple(s.rank for s in entry.shards)
+            placement = "any" if kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else "node"
+            placement = "all" if kind == ShardingType.ROW_WISE else placement
+        cost, memory = piece_cost(specs[name], kind, len(ranks), tier, precision, topology, settings)
+        option = ShardOption(name, kind, len(ranks), placement, tier, precision, cost, memory)
+        placements[name] = Placement(option, ranks)
+        for r in ranks:
+            loads[r] += cost.total
+    makespan = max(loads)
+    partition_result = PartitionResult(placements, loads, makespan, 0.0, 0, makespan)
+    return PlanResult(plan, placements, partition_result, topology, settings, list(tables))
+
+
+def _table_config(spec: TableSpec):
+    from neorec.embedding.config import TableConfig
+
+    return TableConfig(spec.name, spec.num_rows, spec.dim)

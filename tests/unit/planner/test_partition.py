@@ -145,3 +145,18 @@ def test_model_f_fits_16_zionex_nodes_with_fp16_rows_dram_and_row_wise_across_no
     with pytest.raises(InfeasiblePlanError, match="tightest limit"):
         plan_tables(preset.tables, topo, PlanSettings(batch_size=512, precisions=("fp32",),
                                                       tiers=("device", "cached_dram", "dram")), time_limit=0.5)
+
+
+def test_evaluate_plan_reproduces_the_planner_costs_and_scores_other_plans():
+    from neorec.planner.planner import evaluate_plan
+    from neorec.sharding import default_plan
+
+    tables = random_tables(6, 15)
+    topo = toy_topology(2, 2)
+    settings = PlanSettings(batch_size=128)
+    result = plan_tables(tables, topo, settings, time_limit=1.0)
+    again = evaluate_plan(result.plan, tables, topo, settings, result.tiers)
+    assert again.makespan == pytest.approx(result.makespan)
+    assert [s.cost.total for s in again.ranks()] == pytest.approx([s.cost.total for s in result.ranks()])
+    other = evaluate_plan(default_plan(table_configs(tables), 4, 2), tables, topo, settings)
+    assert other.makespan >= result.makespan * (1 - 1e-9)
