@@ -4,13 +4,23 @@
     result = plan_tables(tables, get_topology("zionex"), PlanSettings(batch_size=512))
     result.plan           # a neorec.sharding.ShardingPlan
 
-Command line: ``python -m neorec plan --help``.
+Command line: ``python -m neorec plan --help``. Names are imported lazily (the command-line
+parser imports ``neorec.planner.cli`` without loading torch).
 """
 
-from neorec.planner.cost_model import PlanSettings, TableSpec
-from neorec.planner.enumerate import InfeasiblePlanError
-from neorec.planner.planner import PlanResult, plan_tables
-from neorec.planner.topology import Topology, get_topology
+from importlib import import_module
 
-__all__ = ["InfeasiblePlanError", "PlanResult", "PlanSettings", "TableSpec", "Topology", "get_topology",
-           "plan_tables"]
+_EXPORTS = {
+    "InfeasiblePlanError": "neorec.planner.enumerate", "PlanResult": "neorec.planner.planner",
+    "PlanSettings": "neorec.planner.cost_model", "TableSpec": "neorec.planner.cost_model",
+    "Topology": "neorec.planner.topology", "get_topology": "neorec.planner.topology",
+    "plan_tables": "neorec.planner.planner", "evaluate_plan": "neorec.planner.planner",
+    "simulate": "neorec.planner.simulate",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'neorec.planner' has no attribute {name!r}")

@@ -14,8 +14,7 @@ import dataclasses
 import json
 from typing import List
 
-from neorec.planner.cost_model import OPTIMIZERS, PRECISION_BYTES, TIERS
-from neorec.planner.presets import MODEL_PRESETS
+from neorec.planner.names import MODEL_PRESET_NAMES, OPTIMIZERS, PRECISIONS, TIERS
 
 MAX_RANK_ROWS = 16
 
@@ -32,7 +31,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.strip().splitlines()[1:] if line.strip()),
     )
     what = plan.add_mutually_exclusive_group()
-    what.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a model preset")
+    what.add_argument("--model", choices=MODEL_PRESET_NAMES, help="a model preset")
     what.add_argument("--tables", metavar="FILE.json", help="a table-spec file (see neorec/planner/specs.py)")
     what.add_argument("--calibrate", action="store_true",
                       help="measure this machine (lookups, matmul, gloo all-to-all) for --topology local-cpu")
@@ -40,7 +39,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                       help="zionex (16 x 8 A100-40GB, default), dgx-h100, local-cpu (calibrated) or a topology JSON")
     plan.add_argument("--nodes", type=int, metavar="N", help="number of nodes (default: the preset's)")
     plan.add_argument("--batch-size", type=int, metavar="B", help="samples per rank (default: the model's)")
-    plan.add_argument("--precisions", metavar="LIST", help=f"allowed, preferred first, from {list(PRECISION_BYTES)}")
+    plan.add_argument("--precisions", metavar="LIST", help=f"allowed, preferred first, from {list(PRECISIONS)}")
     plan.add_argument("--tiers", metavar="LIST", help=f"allowed, preferred first, from {list(TIERS)}")
     plan.add_argument("--optimizer", choices=OPTIMIZERS, help="sparse optimizer (sets the state per row)")
     plan.add_argument("--comm-bytes", type=int, choices=(1, 2, 4), help="bytes per pooled value on the wire")

@@ -39,8 +39,7 @@ from neorec.planner.topology import Topology
 from neorec.sharding.plan import ShardingType
 
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-TIERS = ("device", "cached_dram", "dram", "cached_ssd")
-OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+from neorec.planner.names import OPTIMIZERS, TIERS  # noqa: E402  (re-exported)
 ID_BYTES = 8          # int64 ids and lengths, as neorec's input_dist sends them
 SECTOR_BYTES = 32     # smallest HBM/DRAM access
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from neorec.planner.cost_model import PlanSettings, TableSpec
+from neorec.planner.names import MODEL_PRESET_NAMES
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ MODEL_PRESETS = {
     "neo-model-f": neo_model_f,
     "neo-model-i": neo_model_i,
 }
+
+
+assert tuple(MODEL_PRESETS) == MODEL_PRESET_NAMES
 
 
 def get_model_preset(name: str) -> ModelPreset:
