@@ -11,7 +11,8 @@ measure, per rank, the median over the steps of
   timed on its own (no collective inside);
 - step: input all-to-all + lookup + output all-to-all + backward (collectives included; all
   ranks see about the same, the slowest rank's pace).
-Predicted: per rank the cost model's lookups + optimizer, and per plan the simulator's
+Predicted: per rank the cost model's lookups + optimizer (+ the calibrated fixed cost of the fused
+call on a rank that holds pieces), and per plan the simulator's
 iteration (no dense part). Reported: Pearson and Spearman correlations over (plan, rank) points
 for compute, over (plan, world) points for the step, and the predicted / measured ratios.
 
@@ -161,7 +162,9 @@ def run_world(world: int, steps: int, tables: List[TableSpec], calibration_dir: 
             result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
         plans[name] = result.plan.to_json()
         sim = simulate(result, DenseModel())
-        predicted[name] = {"compute": [r.cost.compute for r in result.ranks()], "step": sim.iteration_seconds}
+        # a rank's lookups + optimizer, plus the calibrated fixed cost of its fused call when it holds pieces
+        predicted[name] = {"compute": [r.cost.compute + (topo.lookup_call_seconds if r.num_pieces else 0.0)
+                                       for r in result.ranks()], "step": sim.iteration_seconds}
     with tempfile.TemporaryDirectory() as directory:
         mp.start_processes(_rank, args=(world, directory, tables, plans, steps), nprocs=world, start_method="spawn")
         measured = [json.loads(Path(directory, f"rank{r}.json").read_text()) for r in range(world)]

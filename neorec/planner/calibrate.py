@@ -6,6 +6,8 @@
 Measured (medians of a few repeats):
 - device_bandwidth: bytes per second an ``embedding_bag`` lookup reads (random rows of a table
   larger than the caches) on one rank's threads: the op the lookups cost.
+- lookup_call_seconds / seconds_per_id: the fused ``TableBatchedEmbeddingBags`` forward +
+  backward at two id counts with tiny rows (fixed cost per call, cost per id).
 - compute_flops: a float32 matmul (the MLPs).
 - intra_node_bandwidth / collective_latency: ``all_to_all_single`` over gloo between
   ``num_ranks`` local processes (a large and a tiny message).
@@ -47,6 +49,32 @@ def measure_lookup_bandwidth(num_rows: int = 1_000_000, dim: int = 64, num_ids: 
     offsets = torch.arange(0, num_ids, 10)
     seconds = _median_seconds(lambda: torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum"))
     return num_ids * dim * 4 / seconds
+
+
+def measure_lookup_overheads(dim: int = 4, num_tables: int = 4, seed: int = 0) -> Dict[str, float]:
+    """{"call": seconds per fused forward + backward call, "per_id": seconds per id}: the fused
+    ``TableBatchedEmbeddingBags`` (row-wise AdaGrad) timed at two id counts with tiny rows (so that
+    bytes hardly count); the line through the two points."""
+    from neorec.embedding.config import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+    from neorec.sparse.jagged import KeyedJaggedTensor
+
+    tables = [TableConfig(f"t{i}", 10_000, dim) for i in range(num_tables)]
+    tbe = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig())
+    gen = torch.Generator().manual_seed(seed)
+    points = []
+    for batch in (256, 8192):
+        lengths = torch.full((num_tables * batch,), 4, dtype=torch.long)
+        kjt = KeyedJaggedTensor([t.name for t in tables], torch.randint(0, 10_000, (int(lengths.sum()),), generator=gen),
+                                lengths)
+
+        def step():
+            out = tbe(kjt).values
+            out.backward(torch.ones_like(out))
+        points.append((int(lengths.sum()), _median_seconds(step)))
+    (n1, t1), (n2, t2) = points
+    per_id = max(0.0, (t2 - t1) / (n2 - n1))
+    return {"call": max(0.0, t1 - n1 * per_id), "per_id": per_id}
 
 
 def measure_matmul_flops(size: int = 512) -> float:
@@ -105,6 +133,8 @@ def calibrate(num_ranks: int = 2, out: Optional[str | Path] = None, progress=pri
     try:
         progress(f"calibrating local-cpu for {num_ranks} ranks ({threads} threads each): lookup bandwidth ...")
         lookup = measure_lookup_bandwidth()
+        progress("... fused lookup overheads (per call, per id) ...")
+        overheads = measure_lookup_overheads()
         progress("... matmul rate ...")
         flops = measure_matmul_flops()
     finally:
@@ -120,10 +150,12 @@ def calibrate(num_ranks: int = 2, out: Optional[str | Path] = None, progress=pri
         device_bandwidth=lookup, host_dram_bytes=memory / 2, host_dram_bandwidth=lookup,
         ssd_bytes=0.0, ssd_bandwidth=0.0,
         intra_node_bandwidth=comm["bandwidth"], inter_node_bandwidth=comm["bandwidth"],
-        compute_flops=flops, collective_latency=comm["latency"])
+        compute_flops=flops, collective_latency=comm["latency"], lookup_call_seconds=overheads["call"],
+        seconds_per_id=overheads["per_id"])
     path = Path(out) if out else default_calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     topo.save(path)
-    progress(f"lookup {lookup / 1e9:.2f} GB/s, matmul {flops / 1e9:.1f} GFLOP/s, all-to-all "
+    progress(f"lookup {lookup / 1e9:.2f} GB/s, call {overheads['call'] * 1e3:.2f} ms + {overheads['per_id'] * 1e9:.0f} ns "
+             f"per id, matmul {flops / 1e9:.1f} GFLOP/s, all-to-all "
              f"{comm['bandwidth'] / 1e9:.2f} GB/s per rank, latency {comm['latency'] * 1e6:.0f} us -> {path}")
     return topo

@@ -236,6 +236,7 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
     cost.lookup_forward = _tier_seconds(ids * row_bytes, tier, topo, settings)
     # backward: pooled gradient in (fp32), row read + write
     cost.lookup_backward = _tier_seconds(ids * (piece_cols * 4 + 2 * row_bytes), tier, topo, settings)
+    cost.lookup_backward += ids * topo.seconds_per_id  # calibrated per-id work (checks, sort, dedup)
     if kind == ShardingType.DATA_PARALLEL:
         grad_bytes = piece_rows * piece_cols * 4
         cost.allreduce = allreduce_seconds(grad_bytes, topo)

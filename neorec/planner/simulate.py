@@ -8,7 +8,8 @@ One iteration is a chain of phases, each as slow as its slowest rank (collective
 input all-to-all (ids) -> embedding lookups -> output all-to-all (pooled rows) -> dense forward
 and backward (3 x MFLOPS per sample x local batch / compute rate) -> gradient all-to-all ->
 embedding backward + optimizer -> all-reduce of the dense parameters and replicated tables.
-A rank's all-to-all time is the larger of what its pieces send (the cost model) and what it
+The lookup phase adds the topology's fixed ``lookup_call_seconds`` on ranks that hold
+pieces. A rank's all-to-all time is the larger of what its pieces send (the cost model) and what it
 receives as a sample owner (its local batch's pooled rows of every model-parallel table).
 Pipelined (Neo): the ids of batch i+1 travel while batch i computes and the all-reduce runs
 during the dense backward, so only what exceeds them is exposed.
@@ -65,7 +66,8 @@ def simulate(result: PlanResult, dense: DenseModel) -> Simulation:
     dense_forward = dense.mflops_per_sample * 1e6 * batch / topo.compute_flops
     phases = {
         "input_alltoall": max(max(r.cost.input_comm for r in ranks), owner_input),
-        "lookup_forward": max(r.cost.lookup_forward for r in ranks),
+        "lookup_forward": max(r.cost.lookup_forward + (topo.lookup_call_seconds if r.num_pieces else 0.0)
+                              for r in ranks),
         "output_alltoall": max(max(r.cost.output_comm for r in ranks), owner_output),
         "dense_forward": dense_forward,
         "dense_backward": 2 * dense_forward,

@@ -35,6 +35,9 @@ class Topology:
     intra_node_bandwidth / inter_node_bandwidth: per rank, one direction (NVLink / one NIC).
     compute_flops: dense math rate per rank (FLOP/s).
     collective_latency: fixed seconds per collective call (launch + handshake).
+    lookup_call_seconds: fixed seconds per step of a rank's fused lookup (forward + backward
+        call overheads); seconds_per_id: per looked-up id (id checks, sort, dedup). Both come from
+        calibration (``local-cpu``); 0 for the GPU presets (not modelled there).
     """
 
     name: str
@@ -50,6 +53,8 @@ class Topology:
     inter_node_bandwidth: float
     compute_flops: float
     collective_latency: float = 20e-6
+    lookup_call_seconds: float = 0.0
+    seconds_per_id: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -58,7 +63,8 @@ class Topology:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"topology {self.name!r}: {f.name} must be a number, got {value!r}")
-            positive = f.name not in ("ssd_bytes", "ssd_bandwidth", "host_dram_bytes", "collective_latency")
+            positive = f.name not in ("ssd_bytes", "ssd_bandwidth", "host_dram_bytes", "collective_latency",
+                                      "lookup_call_seconds", "seconds_per_id")
             if value < 0 or (positive and value == 0):
                 raise ValueError(f"topology {self.name!r}: {f.name} must be {'> 0' if positive else '>= 0'}, "
                                  f"got {value}")

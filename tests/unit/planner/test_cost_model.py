@@ -127,3 +127,16 @@ def test_bytes_agree_with_the_collectives_byte_counts_of_bench_sharding():
             totals[1] += cost.output_comm * pieces
             totals[2] += cost.allreduce * pieces
         assert [round(v / 1e6, 3) for v in totals] == pytest.approx(list(expected), abs=0.0015), kind
+
+
+def test_calibrated_per_id_cost_is_added_to_the_backward():
+    import dataclasses
+
+    topo = toy_topology(1, 2)
+    slow = dataclasses.replace(topo, seconds_per_id=1e-6)
+    s = PlanSettings(batch_size=100)
+    base, _ = piece_cost(TABLE, ShardingType.ROW_WISE, 2, "device", "fp32", topo, s)
+    more, _ = piece_cost(TABLE, ShardingType.ROW_WISE, 2, "device", "fp32", slow, s)
+    ids = 200 * 4.0 / 2  # global batch x pooling / pieces
+    assert more.lookup_backward - base.lookup_backward == pytest.approx(ids * 1e-6)
+    assert more.lookup_forward == base.lookup_forward

@@ -43,3 +43,14 @@ def test_scaling_rows_and_efficiency():
     assert rows[0]["efficiency"] == pytest.approx(1.0)
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["pipelined_qps"] / (2 * rows[0]["pipelined_qps"]))
     assert 0 < rows[1]["efficiency"] <= 1.0 + 1e-9  # crossing nodes never makes a rank faster here
+
+
+def test_fixed_call_cost_lands_on_ranks_with_pieces_only():
+    import dataclasses
+
+    topo = toy_topology(1, 2)
+    tables = [TableSpec("a", 1000, 16, 3.0)]
+    settings = PlanSettings(batch_size=64, sharding_types=("table_wise",))
+    plain = simulate(plan_tables(tables, topo, settings), DenseModel())
+    costly = simulate(plan_tables(tables, dataclasses.replace(topo, lookup_call_seconds=0.5), settings), DenseModel())
+    assert costly.phases["lookup_forward"] == pytest.approx(plain.phases["lookup_forward"] + 0.5)
