@@ -50,7 +50,9 @@ class PartitionResult:
 
     @property
     def gap(self) -> float:
-        return self.makespan / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
+        if self.lower_bound <= 0:
+            return 0.0
+        return max(0.0, self.makespan / self.lower_bound - 1.0)  # bound <= makespan; clamp float rounding
 
 
 def lower_bound(options: Dict[str, List[ShardOption]], world_size: int) -> float:
