@@ -8,7 +8,9 @@ cost is as small as possible, under each rank's memory limits.
    total work; each takes the (option, ranks) that minimises max(current slowest rank, the ranks
    it lands on, (work placed so far + its work + cheapest work left) / ranks), ties to less work.
    Ranks of an option: the least-loaded ranks with room ("any"), the best node's least-loaded
-   ranks ("node": hierarchical TWRW / TWCW), or every rank ("all").
+   ranks ("node": hierarchical TWRW / TWCW), or every rank ("all"). When that runs out of
+   memory, two memory-first passes follow (largest tables first on the least full ranks, by
+   smallest footprint, then by least fill).
 2. Bound-guided packing: for targets T = bound x 1.00, 1.01, ... each table takes its least-work
    option with pieces <= T, packed largest piece first onto the least-loaded ranks; the best of
    these and the greedy start goes on to
@@ -16,8 +18,8 @@ cost is as small as possible, under each rank's memory limits.
    table with a piece there to any of its options and placements, and swapping its single-piece
    tables with single-piece tables elsewhere; apply the move that lowers (slowest rank, sum of
    squared loads) most; stop when no move helps, after ``max_rounds`` or ``time_limit`` seconds.
-4. Lower bound (see ``lower_bound``), at least max(sum over tables of the cheapest total work / ranks, the largest cheapest
-   indivisible piece).
+4. Lower bound (see ``lower_bound``), at least max(sum over tables of the cheapest total work /
+   ranks, the largest cheapest indivisible piece). Memory is not in the bound.
 """
 
 from __future__ import annotations
