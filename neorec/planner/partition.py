@@ -20,6 +20,9 @@ cost is as small as possible, under each rank's memory limits.
    squared loads) most; stop when no move helps, after ``max_rounds`` or ``time_limit`` seconds.
 4. Lower bound (see ``lower_bound``), at least max(sum over tables of the cheapest total work /
    ranks, the largest cheapest indivisible piece). Memory is not in the bound.
+5. Preference pass (optional): tables move to their most preferred option (precision, then tier,
+   in the user's order) that fits in memory, then the search runs again among options no less
+   preferred: lower precision or slower tiers only where memory needs them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption
 from neorec.planner.topology import Topology
@@ -162,8 +165,11 @@ def _tightest(state: _State, options: List[ShardOption]) -> str:
 
 def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
               time_limit: float = 2.0, max_rounds: int = 10_000,
-              bound_steps: int = 60) -> PartitionResult:
-    """See the module docstring. ``options``: table name -> its options (non-empty lists)."""
+              bound_steps: int = 60, preference: Optional[Callable[[ShardOption], tuple]] = None) -> PartitionResult:
+    """See the module docstring. ``options``: table name -> its options (non-empty lists).
+    ``preference``: option -> sort key (smaller = preferred, e.g. fp32 before fp16); after the
+    search, tables move to their most preferred option that fits, and the search runs again
+    among options at least that preferred."""
     start = time.perf_counter()
     world = topo.world_size
     try:
@@ -193,8 +199,38 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
         rounds += 1
         if not _improve(state, placements, options):
             break
+    if preference is not None:
+        allowed = _prefer(state, placements, options, preference)
+        while rounds < 2 * max_rounds and time.perf_counter() - start < 2 * time_limit:
+            rounds += 1
+            if not _improve(state, placements, allowed):
+                break
     makespan = max(state.load)
     return PartitionResult({n: placements[n] for n in options}, list(state.load), makespan, bound, rounds, greedy)
+
+
+def _prefer(state: _State, placements: Dict[str, Placement], options: Dict[str, List[ShardOption]],
+            preference: Callable[[ShardOption], tuple]) -> Dict[str, List[ShardOption]]:
+    """Move tables (largest first) to their most preferred option that fits in memory, on the
+    least loaded ranks: a less preferred precision or tier is a fallback for memory, not a speed
+    knob. Returns the options each table may still use (none less preferred than its own)."""
+    for name in sorted(placements, key=lambda n: -placements[n].option.work):
+        old = placements[name]
+        better = sorted((o for o in options[name] if preference(o) < preference(old.option)),
+                        key=lambda o: (preference(o), o.work))
+        if not better:
+            continue
+        state.apply(old, -1)
+        chosen = old
+        for option in better:
+            ranks = state.place(option)
+            if ranks is not None:
+                chosen = Placement(option, ranks)
+                break
+        placements[name] = chosen
+        state.apply(chosen, +1)
+    return {name: [o for o in opts if preference(o) <= preference(placements[name].option)]
+            for name, opts in options.items()}
 
 
 def _pack_to_target(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,

@@ -6,7 +6,8 @@
 
 Preferences are relaxed step by step: first only the first tier and first precision allowed;
 when that does not fit, more precisions (in the given order), then more tiers. The first level
-that fits is planned (enumerate -> cost -> partition). When none fits, the last level's
+that fits is planned (enumerate -> cost -> partition); inside it, tables then move back to the
+preferred precision and tier wherever memory allows. When none fits, the last level's
 ``InfeasiblePlanError`` names the table and its tightest limit.
 """
 
@@ -101,6 +102,12 @@ def table_plan(table: TableSpec, placement: Placement) -> TablePlan:
     return TablePlan(kind, shards, o.precision)
 
 
+def _preference(settings: PlanSettings):
+    """Sort key of an option: earlier precision in the user's list first, then earlier tier."""
+    precisions, tiers = list(settings.precisions), list(settings.tiers)
+    return lambda o: (precisions.index(o.precision), tiers.index(o.tier))
+
+
 def _levels(settings: PlanSettings) -> List[PlanSettings]:
     levels = []
     for t in range(1, len(settings.tiers) + 1):
@@ -124,7 +131,8 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
         try:
             options: Dict[str, List[ShardOption]] = {t.name: enumerate_options(t, topology, level, capacity)
                                                       for t in tables}
-            result = partition(options, topology, capacity, time_limit=time_limit, max_rounds=max_rounds)
+            result = partition(options, topology, capacity, time_limit=time_limit, max_rounds=max_rounds,
+                               preference=_preference(settings))
         except InfeasiblePlanError as exc:
             error = exc
             continue
