@@ -4,6 +4,8 @@
     neorec train --config configs/movielens.toml --set train.epochs=3
     neorec train --config configs/tiny.toml --nproc 2              # 2 local ranks, sharded embeddings
     torchrun --nproc-per-node 2 -m neorec train --plan plan.json   # or started by torchrun
+    neorec train --config configs/tiny.toml --nproc 2 --plan auto  # cost-model planner for the live world
+    neorec plan --model neo-model-f --topology zionex --out plan.json --chart load.png
     neorec config --config configs/default.toml    # print the resolved config
     neorec data write-criteo /tmp/day_0.tsv --lines 100000
     neorec data preprocess-criteo /tmp/day_0.tsv /tmp/criteo_bin --num-embeddings 100000
@@ -67,15 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train on N local processes (sharded embeddings, data-parallel MLPs; "
                        "data.batch_size is per process); under torchrun the world comes from torchrun")
-    train.add_argument("--plan", metavar="FILE.json",
-                       help="sharding plan for multi-process training (default: a balanced table-wise / "
-                       "row-wise plan)")
+    train.add_argument("--plan", metavar="FILE.json|auto",
+                       help="sharding plan for multi-process training: a plan file (from `neorec plan --out`), "
+                       "or 'auto' to run the cost-model planner for the live world (default: a balanced "
+                       "table-wise / row-wise plan)")
 
     config = sub.add_parser(
         "config", help="print the resolved config as JSON (defaults + --config + --set)",
         epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(config)
+
+    from neorec.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
 
     data = sub.add_parser("data", help="data tools: write and preprocess Criteo TSV")
     data_sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
@@ -138,9 +145,9 @@ def _train_distributed(args: argparse.Namespace) -> int:
     from neorec.train.distributed import DistributedContext
 
     cfg = _train_config(args)
-    plan = ShardingPlan.load(args.plan) if args.plan else None  # before joining: a bad file fails every rank
+    plan = ShardingPlan.load(args.plan) if args.plan and args.plan != "auto" else args.plan  # before joining
     world = int(os.environ["WORLD_SIZE"])
-    if plan is not None and plan.world_size != world:
+    if isinstance(plan, ShardingPlan) and plan.world_size != world:
         raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has {world} "
                          f"ranks; make a plan for {world} ranks ({args.plan})")
     context = DistributedContext.from_env(cfg.train.device)
@@ -156,7 +163,14 @@ def _train_distributed(args: argparse.Namespace) -> int:
 def _fit_distributed(cfg, context, plan):
     from neorec.train.trainer import Trainer
 
-    trainer = Trainer(cfg, distributed=context, plan=plan)
+    source = None
+    if plan == "auto":  # the cost-model planner for this world (deterministic: same plan on every rank)
+        from neorec.data import make_data_source
+        from neorec.planner.cli import plan_for_training
+
+        source = make_data_source(cfg.data)
+        plan = plan_for_training(cfg, source, context.world_size, context.local_world_size)
+    trainer = Trainer(cfg, source=source, distributed=context, plan=plan)
     if context.is_main:
         _print_header(cfg, trainer)
         kinds: dict = {}
@@ -234,6 +248,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_train(args, argv)
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "plan":
+            from neorec.planner.cli import cmd_plan
+
+            return cmd_plan(args)
         return cmd_data(args, parser)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         if args.traceback or os.environ.get("NEOREC_TRACEBACK"):

@@ -1,0 +1,52 @@
+"""PNG chart of the per-rank load of a plan (stacked compute / communication seconds per rank).
+Needs matplotlib (``pip install 'neorec[plot]'``).
+
+    write_load_chart(result, "load.png")
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_load_chart(result, path: str | Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("the per-rank chart needs matplotlib: pip install 'matplotlib>=3.7' "
+                         "(or the neorec[plot] extra), or leave out --chart") from None
+    ranks = result.ranks()
+    x = [r.rank for r in ranks]
+    parts = [("lookups + optimizer", [r.cost.compute * 1e3 for r in ranks]),
+             ("all-to-all", [(r.cost.input_comm + r.cost.output_comm + r.cost.gradient_comm) * 1e3 for r in ranks]),
+             ("all-reduce (replicas)", [r.cost.allreduce * 1e3 for r in ranks])]
+    fig, ax = plt.subplots(figsize=(max(6.0, min(20.0, len(ranks) * 0.15)), 4.0))
+    bottom = [0.0] * len(ranks)
+    for label, values in parts:
+        ax.bar(x, values, bottom=bottom, label=label, width=0.8)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.axhline(result.lower_bound * 1e3, color="black", linestyle="--", linewidth=1, label="lower bound")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("ms per iteration")
+    ax.set_title(f"{result.topology.name}: {result.topology.world_size} ranks, slowest {result.makespan * 1e3:.3f} ms, "
+                 f"gap to bound {result.gap * 100:.1f}%")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)

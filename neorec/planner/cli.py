@@ -1,0 +1,195 @@
+"""``neorec plan``: plan the sharding of a model on a cluster and predict its speed.
+
+    python -m neorec plan --model neo-model-f --topology zionex --out plan.json --chart load.png
+    python -m neorec plan --model neo-model-a --topology zionex --nodes 4 --scaling
+    python -m neorec plan --tables my_tables.json --topology dgx-h100 --batch-size 1024 --precisions fp32,fp16
+    python -m neorec plan --calibrate                 # measure this machine for --topology local-cpu
+    python -m neorec train --config configs/tiny.toml --nproc 2 --plan auto   # plan for the live world
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import List
+
+from neorec.planner.names import MODEL_PRESET_NAMES, OPTIMIZERS, PRECISIONS, TIERS
+
+MAX_RANK_ROWS = 16
+
+
+def add_plan_parser(sub) -> argparse.ArgumentParser:
+    plan = sub.add_parser(
+        "plan", help="plan embedding sharding on a cluster (cost model + partitioner) and predict QPS",
+        description="Choose, per embedding table, a sharding type (table/row/column-wise, data-parallel, "
+        "table-row-wise, table-column-wise), a storage tier and a precision, and the ranks of every piece, "
+        "minimising the slowest rank's iteration time under each rank's memory limits. Prints a per-rank "
+        "table, the gap to a lower bound, the predicted iteration time and QPS; writes the ShardingPlan "
+        "JSON (for `neorec train --plan FILE`), a report JSON and a PNG chart of per-rank load.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + "\n".join("  " + line.strip() for line in __doc__.strip().splitlines()[1:] if line.strip()),
+    )
+    what = plan.add_mutually_exclusive_group()
+    what.add_argument("--model", choices=MODEL_PRESET_NAMES, help="a model preset")
+    what.add_argument("--tables", metavar="FILE.json", help="a table-spec file (see neorec/planner/specs.py)")
+    what.add_argument("--calibrate", action="store_true",
+                      help="measure this machine (lookups, matmul, gloo all-to-all) for --topology local-cpu")
+    plan.add_argument("--topology", default="zionex", metavar="NAME|FILE.json",
+                      help="zionex (16 x 8 A100-40GB, default), dgx-h100, local-cpu (calibrated) or a topology JSON")
+    plan.add_argument("--nodes", type=int, metavar="N", help="number of nodes (default: the preset's)")
+    plan.add_argument("--batch-size", type=int, metavar="B", help="samples per rank (default: the model's)")
+    plan.add_argument("--precisions", metavar="LIST", help=f"allowed, preferred first, from {list(PRECISIONS)}")
+    plan.add_argument("--tiers", metavar="LIST", help=f"allowed, preferred first, from {list(TIERS)}")
+    plan.add_argument("--optimizer", choices=OPTIMIZERS, help="sparse optimizer (sets the state per row)")
+    plan.add_argument("--comm-bytes", type=int, choices=(1, 2, 4), help="bytes per pooled value on the wire")
+    plan.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+                      help="seconds for the improvement search per attempt (default 10)")
+    plan.add_argument("--out", metavar="FILE.json", help="write the ShardingPlan here")
+    plan.add_argument("--report", metavar="FILE.json", help="write the full report (per rank, per table) here")
+    plan.add_argument("--chart", metavar="FILE.png", help="write a PNG chart of per-rank load (needs matplotlib)")
+    plan.add_argument("--scaling", action="store_true", help="also simulate 1, 2, 4, ... nodes up to --nodes")
+    plan.add_argument("--scale-model", action="store_true",
+                      help="with --scaling: table rows grow with the node count (same bytes per rank at every size)")
+    plan.add_argument("--all-ranks", action="store_true", help=f"print every rank (default: at most {MAX_RANK_ROWS})")
+    plan.add_argument("--calibrate-ranks", type=int, default=2, metavar="N", help="ranks to calibrate for (default 2)")
+    plan.add_argument("--calibration-out", metavar="FILE.json", help="where --calibrate writes (default: the cache)")
+    return plan
+
+
+def _list(text: str) -> tuple:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from neorec.planner.planner import plan_tables
+    from neorec.planner.presets import get_model_preset
+    from neorec.planner.simulate import scaling, simulate
+    from neorec.planner.specs import load_table_specs
+    from neorec.planner.topology import get_topology
+
+    if args.calibrate:
+        from neorec.planner.calibrate import calibrate
+
+        calibrate(args.calibrate_ranks, args.calibration_out)
+        return 0
+    if args.model is None and args.tables is None:
+        raise ValueError("plan: give --model PRESET or --tables FILE.json (or --calibrate); see --help")
+    if args.nodes is not None and args.nodes < 1:
+        raise ValueError(f"plan: --nodes must be >= 1, got {args.nodes}")
+    if args.model:
+        preset = get_model_preset(args.model)
+        tables, settings, dense = preset.tables, preset.settings, preset.dense
+    else:
+        from neorec.planner.cost_model import PlanSettings
+
+        preset = None
+        tables, dense, batch = load_table_specs(args.tables)
+        settings = PlanSettings(batch_size=batch) if batch else PlanSettings()
+    changes = {}
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    if args.precisions:
+        changes["precisions"] = _list(args.precisions)
+    if args.tiers:
+        changes["tiers"] = _list(args.tiers)
+    if args.optimizer:
+        changes["optimizer"] = args.optimizer
+    if args.comm_bytes:
+        changes["comm_bytes"] = args.comm_bytes
+    settings = dataclasses.replace(settings, **changes)
+    topo = get_topology(args.topology, args.nodes)
+    print(f"neorec plan: {len(tables)} tables ({sum(t.num_parameters for t in tables) / 1e9:,.2f}B parameters) on "
+          f"{topo.name}: {topo.num_nodes} nodes x {topo.ranks_per_node} ranks, batch {settings.batch_size} per rank, "
+          f"optimizer {settings.optimizer}, precisions {list(settings.precisions)}, tiers {list(settings.tiers)}",
+          flush=True)
+    result = plan_tables(tables, topo, settings, time_limit=args.time_limit)
+    sim = simulate(result, dense)
+    _print_ranks(result, args.all_ranks)
+    kinds: dict = {}
+    for p in result.placements.values():
+        kinds[p.option.describe()] = kinds.get(p.option.describe(), 0) + 1
+    print("options: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    print(f"slowest rank {result.makespan * 1e3:.3f} ms, lower bound {result.lower_bound * 1e3:.3f} ms "
+          f"(gap {result.gap * 100:.1f}%), greedy start {result.partition.greedy_makespan * 1e3:.3f} ms, "
+          f"{result.partition.rounds} search rounds")
+    print(f"predicted iteration {sim.iteration_seconds * 1e3:.2f} ms ({sim.qps:,.0f} QPS) without pipelining, "
+          f"{sim.pipelined_iteration_seconds * 1e3:.2f} ms ({sim.pipelined_qps:,.0f} QPS) pipelined")
+    if preset is not None and preset.paper_qps:
+        print(f"paper ({preset.name}, 16 ZionEX nodes): {preset.paper_qps:,.0f} QPS; predicted / paper = "
+              f"{sim.pipelined_qps / preset.paper_qps:.2f} (only meaningful on --topology zionex, 16 nodes)")
+    report = result.to_report()
+    report["simulation"] = sim.to_dict()
+    if args.scaling:
+        counts, n = [], 1
+        while n <= topo.num_nodes:
+            counts.append(n)
+            n *= 2
+        rows = scaling(tables, topo, settings, dense, counts, time_limit=args.time_limit, scale_model=args.scale_model)
+        report["scaling"] = rows
+        print("nodes  ranks  iteration ms (pipelined)         QPS   efficiency")
+        for row in rows:
+            print(f"{row['nodes']:>5}  {row['ranks']:>5}  {row['pipelined_iteration_ms']:>24.2f}  "
+                  f"{row['pipelined_qps']:>10,.0f}   {row['efficiency']:.2f}")
+    if args.out:
+        result.plan.save(args.out)
+        print(f"sharding plan: {args.out}")
+    if args.report:
+        from pathlib import Path
+
+        from neorec.sharding.files import write_atomic
+
+        write_atomic(Path(args.report), json.dumps(report, indent=1) + "\n")
+        print(f"report: {args.report}")
+    if args.chart:
+        from neorec.planner.chart import write_load_chart
+
+        write_load_chart(result, args.chart)
+        print(f"chart: {args.chart}")
+    return 0
+
+
+def _print_ranks(result, all_ranks: bool) -> None:
+    ranks = result.ranks()
+    shown = ranks
+    if not all_ranks and len(ranks) > MAX_RANK_ROWS:
+        order = sorted(ranks, key=lambda r: -r.cost.total)
+        shown = sorted(order[:MAX_RANK_ROWS // 2] + order[-MAX_RANK_ROWS // 4:], key=lambda r: r.rank)
+    gib = 2 ** 30
+    print(f"{'rank':>5} {'pieces':>6} {'device GiB':>10} {'host GiB':>9} {'ssd GiB':>8} {'compute ms':>10} "
+          f"{'comm ms':>8} {'total ms':>9}")
+    for r in shown:
+        print(f"{r.rank:>5} {r.num_pieces:>6} {r.memory.device / gib:>10.2f} {r.memory.host / gib:>9.2f} "
+              f"{r.memory.ssd / gib:>8.2f} {r.cost.compute * 1e3:>10.3f} {r.cost.comm * 1e3:>8.3f} "
+              f"{r.cost.total * 1e3:>9.3f}")
+    if len(shown) < len(ranks):
+        print(f"({len(shown)} of {len(ranks)} ranks: the slowest and the fastest; --all-ranks prints all)")
+
+
+def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
+    """``neorec train --plan auto``: plan the config's tables for the live world. Pooling factors
+    come from the first training batch; the topology from the local-cpu calibration when it
+    exists (the same file on every rank), else nominal CPU numbers. Deterministic (a fixed number
+    of search rounds, no time limit), so every rank computes the same plan."""
+    from neorec.planner.cost_model import PlanSettings, TableSpec
+    from neorec.planner.planner import plan_tables
+    from neorec.planner.topology import Topology, default_calibration_path
+
+    configs = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
+    batch = next(iter(source.train_batches(cfg.data.batch_size, 0)))
+    per_key = dict(zip(batch.sparse.keys(), batch.sparse.length_per_key()))
+    size = max(1, batch.sparse.batch_size)
+    tables: List[TableSpec] = [
+        TableSpec(t.name, t.num_embeddings, t.embedding_dim,
+                  max(1e-3, sum(per_key.get(f, 0) for f in t.feature_names) / size)) for t in configs]
+    path = default_calibration_path()
+    if path.is_file():
+        topo = Topology.load(path).with_world(world_size, ranks_per_node)
+    else:  # nominal: a few GB/s of lookups, sub-GB/s gloo over loopback (run `neorec plan --calibrate`)
+        topo = Topology("local-cpu-nominal", world_size // ranks_per_node, ranks_per_node, 4e9, 3e9, 8e9, 3e9,
+                        0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6)
+    settings = PlanSettings(batch_size=cfg.data.batch_size, optimizer=cfg.embedding.optimizer.kind,
+                            precisions=(cfg.embedding.storage.precision,), tiers=("device",),
+                            device_reserve_fraction=0.0)
+    result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
+    return result.plan

@@ -1,0 +1,271 @@
+"""The cost model: seconds per iteration and bytes held by one piece of one sharding option.
+
+    settings = PlanSettings(batch_size=512, optimizer="rowwise_adagrad")
+    cost, memory = piece_cost(table, ShardingType.ROW_WISE, num_pieces=8, tier="device",
+                              precision="fp16", topology=topo, settings=settings)
+    cost.total          # seconds per iteration on the rank holding that piece
+    memory.device       # bytes on that rank's device (weights, optimizer state, cache, buffers)
+
+Model (per iteration, W ranks, R per node, B samples per rank, G = W * B global samples, a table
+of pooling factor L ids per sample, a piece of d columns stored in e bytes per element):
+
+- lookups: a table-wise or column-wise piece sees all G * L ids, a row-wise piece G * L / k (ids
+  spread evenly over rows), a replica B * L. Forward reads ids * max(d * e, 32) bytes (32 B is
+  the HBM access sector); backward reads the pooled gradient and reads + writes the row and its
+  optimizer state. Time = bytes / bandwidth of the tier (device, host over PCIe, SSD), a cached
+  tier mixing device and backing bandwidth by ``cache_hit_rate``.
+- communication: the piece's owner receives its ids (8 bytes each, plus lengths) and sends
+  G * d pooled values forward and receives as many gradient values backward (row-wise pieces send
+  full-width partial sums: that is row-wise's price). Bytes to other ranks split into the share
+  inside the node (NVLink) and outside it (NIC), the slower of the two sets the time. Node-local
+  row-wise (TWRW) reduces the partial sums inside the node first (reduce-scatter over NVLink),
+  so only 1/R of them cross nodes, as in Neo's hierarchical collectives.
+- replicas (DATA_PARALLEL): a dense gradient of the whole table is all-reduced (hierarchical:
+  ring inside the node, then the R NICs of a node in parallel) and the optimizer sweeps all rows.
+- memory: rows x (d x e + optimizer state) on the tier's backing store; a cached tier also holds
+  ``cache_fraction`` of the rows in fp32 (+ state) on the device; model-parallel pieces hold
+  double-buffered (pipelined) id and pooled-output buffers on the device.
+
+Approximations: ids are spread evenly (no hot rows per piece), unique-row savings in backward are
+ignored, and the receiving side of the all-to-all (uniform over ranks) is left to the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, Tuple
+
+from neorec.planner.topology import Topology
+from neorec.sharding.plan import ShardingType
+
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+from neorec.planner.names import OPTIMIZERS, TIERS  # noqa: E402  (re-exported)
+ID_BYTES = 8          # int64 ids and lengths, as neorec's input_dist sends them
+SECTOR_BYTES = 32     # smallest HBM/DRAM access
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table as the planner sees it.
+
+    pooling: average ids per sample summed over the table's features.
+    sharding_types / tiers / precisions: per-table constraints (None = the planner's settings).
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    pooling: float = 1.0
+    sharding_types: Optional[Tuple[str, ...]] = None
+    tiers: Optional[Tuple[str, ...]] = None
+    precisions: Optional[Tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_rows, int) or self.num_rows <= 0:
+            raise ValueError(f"table {self.name!r}: num_rows must be a positive integer, got {self.num_rows!r}")
+        if not isinstance(self.dim, int) or self.dim <= 0:
+            raise ValueError(f"table {self.name!r}: dim must be a positive integer, got {self.dim!r}")
+        if not self.pooling > 0:
+            raise ValueError(f"table {self.name!r}: pooling must be > 0, got {self.pooling!r}")
+        for key, allowed in (("sharding_types", [t.value for t in ShardingType]), ("tiers", TIERS),
+                             ("precisions", tuple(PRECISION_BYTES))):
+            value = getattr(self, key)
+            if value is not None:
+                bad = [v for v in value if v not in allowed]
+                if bad or not value:
+                    raise ValueError(f"table {self.name!r}: {key} {list(value)} must be a non-empty subset of "
+                                     f"{list(allowed)}")
+
+    @property
+    def num_parameters(self) -> int:
+        return self.num_rows * self.dim
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the planner may choose and what it assumes.
+
+    batch_size: samples per rank per iteration.
+    optimizer: the sparse optimizer (sets the optimizer state per row).
+    precisions / tiers: allowed, in order of preference (the planner relaxes left to right only
+        when the plan does not fit otherwise).
+    sharding_types: allowed sharding types.
+    comm_bytes: bytes per pooled value on the wire (4 = fp32, 2 = fp16 quantized communication).
+    cache_fraction / cache_hit_rate: device cache size of a cached tier (fraction of the rows)
+        and the hit rate assumed for it.
+    device_reserve_fraction: device memory kept for dense parameters and activations.
+    max_column_pieces: the most pieces a column-wise option may have.
+    """
+
+    batch_size: int = 512
+    optimizer: str = "rowwise_adagrad"
+    precisions: Tuple[str, ...] = ("fp32",)
+    tiers: Tuple[str, ...] = ("device",)
+    sharding_types: Tuple[str, ...] = tuple(t.value for t in ShardingType)
+    comm_bytes: int = 4
+    cache_fraction: float = 0.1
+    cache_hit_rate: float = 0.9
+    device_reserve_fraction: float = 0.15
+    max_column_pieces: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"plan settings: batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"plan settings: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for key, allowed in (("precisions", tuple(PRECISION_BYTES)), ("tiers", TIERS),
+                             ("sharding_types", tuple(t.value for t in ShardingType))):
+            value = tuple(getattr(self, key))
+            object.__setattr__(self, key, value)
+            bad = [v for v in value if v not in allowed]
+            if bad or not value:
+                raise ValueError(f"plan settings: {key} {list(value)} must be a non-empty subset of {list(allowed)}")
+        if self.comm_bytes not in (1, 2, 4):
+            raise ValueError(f"plan settings: comm_bytes must be 1, 2 or 4, got {self.comm_bytes!r}")
+        for key in ("cache_fraction", "cache_hit_rate", "device_reserve_fraction"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"plan settings: {key} must be in [0, 1], got {getattr(self, key)!r}")
+
+
+@dataclass
+class Cost:
+    """Seconds per iteration, by kind."""
+
+    lookup_forward: float = 0.0
+    lookup_backward: float = 0.0
+    optimizer: float = 0.0
+    input_comm: float = 0.0
+    output_comm: float = 0.0
+    gradient_comm: float = 0.0
+    allreduce: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.lookup_forward + self.lookup_backward + self.optimizer
+
+    @property
+    def comm(self) -> float:
+        return self.input_comm + self.output_comm + self.gradient_comm + self.allreduce
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm
+
+    def add(self, other: "Cost", scale: float = 1.0) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + scale * getattr(other, f.name))
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Memory:
+    """Bytes held on one rank, by tier (host and SSD are that rank's share of its node's)."""
+
+    device: float = 0.0
+    host: float = 0.0
+    ssd: float = 0.0
+
+    def add(self, other: "Memory", scale: float = 1.0) -> None:
+        self.device += scale * other.device
+        self.host += scale * other.host
+        self.ssd += scale * other.ssd
+
+
+def state_bytes_per_row(optimizer: str, dim: int) -> int:
+    return {"sgd": 0, "rowwise_adagrad": 4, "adagrad": 4 * dim, "adam": 8 * dim}[optimizer]
+
+
+def alltoall_seconds(num_bytes: float, topo: Topology) -> float:
+    """One rank sends ``num_bytes`` spread evenly over all ranks (its own share stays local)."""
+    world, per_node = topo.world_size, int(topo.ranks_per_node)
+    if world == 1 or num_bytes <= 0:
+        return 0.0
+    intra = num_bytes * (per_node - 1) / world / topo.intra_node_bandwidth
+    inter = num_bytes * (world - per_node) / world / topo.inter_node_bandwidth
+    return max(intra, inter) + topo.collective_latency
+
+
+def allreduce_seconds(num_bytes: float, topo: Topology) -> float:
+    """Hierarchical all-reduce of ``num_bytes`` per rank: ring inside the node over NVLink, then
+    the node's R NICs in parallel across nodes."""
+    per_node, nodes = int(topo.ranks_per_node), int(topo.num_nodes)
+    if topo.world_size == 1 or num_bytes <= 0:
+        return 0.0
+    intra = 2 * (per_node - 1) / per_node * num_bytes / topo.intra_node_bandwidth
+    inter = 2 * (nodes - 1) / nodes * num_bytes / (per_node * topo.inter_node_bandwidth) if nodes > 1 else 0.0
+    return intra + inter + topo.collective_latency
+
+
+def _tier_seconds(num_bytes: float, tier: str, topo: Topology, settings: PlanSettings) -> float:
+    device = num_bytes / topo.device_bandwidth
+    if tier == "device":
+        return device
+    host_bw = topo.host_dram_bandwidth
+    if tier == "dram":
+        return num_bytes / host_bw
+    if tier == "cached_dram":
+        backing = num_bytes / host_bw
+    else:  # cached_ssd: the node's SSD bandwidth shared by its ranks
+        backing = num_bytes / max(topo.ssd_bandwidth / topo.ranks_per_node, 1.0)
+    hit = settings.cache_hit_rate
+    return hit * device + (1 - hit) * backing
+
+
+def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str, precision: str,
+               topo: Topology, settings: PlanSettings) -> Tuple[Cost, Memory]:
+    """Cost and memory of ONE piece of ``table`` sharded ``kind`` into ``num_pieces`` (even
+    pieces), held in ``tier`` at ``precision``; see the module docstring."""
+    world, per_node = topo.world_size, int(topo.ranks_per_node)
+    local, glob = settings.batch_size, settings.batch_size * world
+    elem = PRECISION_BYTES[precision]
+    rows, dim = table.num_rows, table.dim
+    if kind.splits_rows:
+        piece_rows, piece_cols, ids = -(-rows // num_pieces), dim, glob * table.pooling / num_pieces
+    elif kind.splits_columns:
+        piece_rows, piece_cols, ids = rows, -(-dim // num_pieces), glob * table.pooling
+    elif kind == ShardingType.DATA_PARALLEL:
+        piece_rows, piece_cols, ids = rows, dim, local * table.pooling
+    else:
+        piece_rows, piece_cols, ids = rows, dim, glob * table.pooling
+    state = state_bytes_per_row(settings.optimizer, piece_cols)
+    row_bytes = max(piece_cols * elem, SECTOR_BYTES)
+    state_io = 2 * state if state else 0
+    cost = Cost()
+    cost.lookup_forward = _tier_seconds(ids * row_bytes, tier, topo, settings)
+    # backward: pooled gradient in (fp32), row read + write
+    cost.lookup_backward = _tier_seconds(ids * (piece_cols * 4 + 2 * row_bytes), tier, topo, settings)
+    cost.lookup_backward += ids * topo.seconds_per_id  # calibrated per-id work (checks, sort, dedup)
+    if kind == ShardingType.DATA_PARALLEL:
+        grad_bytes = piece_rows * piece_cols * 4
+        cost.allreduce = allreduce_seconds(grad_bytes, topo)
+        # dense update of every row: gradient, row and state read, row and state written
+        cost.optimizer = _tier_seconds(piece_rows * (piece_cols * 4 + 2 * row_bytes + state_io), tier, topo,
+                                       settings)
+    else:
+        cost.optimizer = _tier_seconds(ids * state_io, tier, topo, settings) if state_io else 0.0
+        cost.input_comm = alltoall_seconds(ids * ID_BYTES + glob * ID_BYTES, topo)
+        pooled = glob * piece_cols * settings.comm_bytes
+        if kind == ShardingType.TABLE_ROW_WISE and topo.num_nodes > 1:
+            # reduce-scatter inside the node, then 1/R of the partial sums cross nodes
+            intra = pooled * (per_node - 1) / per_node / topo.intra_node_bandwidth
+            inter = pooled / per_node * (world - per_node) / world / topo.inter_node_bandwidth
+            cost.output_comm = intra + inter + 2 * topo.collective_latency
+        else:
+            cost.output_comm = alltoall_seconds(pooled, topo)
+        cost.gradient_comm = cost.output_comm
+    memory = Memory()
+    stored = piece_rows * (piece_cols * elem + state)
+    cached = min(piece_rows, max(1, int(settings.cache_fraction * piece_rows))) * (piece_cols * 4 + state)
+    if tier == "device":
+        memory.device = stored
+    elif tier == "dram":
+        memory.host = stored
+    elif tier == "cached_dram":
+        memory.device, memory.host = cached, stored
+    else:
+        memory.device, memory.ssd = cached, stored
+    if kind != ShardingType.DATA_PARALLEL:
+        memory.device += 2 * ((ids + glob) * ID_BYTES + glob * piece_cols * 4)  # double-buffered ids+lengths, outputs
+    return cost, memory

@@ -1,0 +1,139 @@
+"""Enumeration: every allowed way to hold one table, each with its per-piece cost and memory.
+
+    options = enumerate_options(table, topology, settings)     # List[ShardOption]
+
+Per tier and precision allowed (by the settings and the table's own constraints):
+TABLE_WISE (one piece, any rank), ROW_WISE over all ranks, TABLE_ROW_WISE (row pieces on the
+ranks of one node; only with several nodes), COLUMN_WISE into k = 2, 4, ... pieces (any distinct
+ranks), TABLE_COLUMN_WISE (k column pieces inside one node), DATA_PARALLEL (a replica per rank).
+Options whose piece cannot fit an empty rank are dropped; a table left with none is an
+``InfeasiblePlanError`` naming the table and the tightest limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from neorec.planner.cost_model import Cost, Memory, PlanSettings, TableSpec, piece_cost
+from neorec.planner.topology import Topology
+from neorec.sharding.plan import ShardingType
+
+GIB = 2 ** 30
+MIN_COLUMN_WIDTH = 4
+
+
+class InfeasiblePlanError(ValueError):
+    """No plan satisfies the limits; the message names the table and the tightest limit."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Bytes one rank may use per tier."""
+
+    device: float
+    host: float
+    ssd: float
+
+    @classmethod
+    def of(cls, topo: Topology, settings: PlanSettings) -> "Capacity":
+        per_node = topo.ranks_per_node
+        return cls(topo.device_memory_bytes * (1 - settings.device_reserve_fraction),
+                   topo.host_dram_bytes / per_node, topo.ssd_bytes / per_node)
+
+    def shortfall(self, memory: Memory) -> Tuple[float, str]:
+        """(need / capacity of the fullest tier, that tier's description)."""
+        worst = (0.0, "")
+        for need, cap, what in ((memory.device, self.device, "device memory"),
+                                (memory.host, self.host, "host DRAM share"), (memory.ssd, self.ssd, "SSD share")):
+            ratio = need / cap if cap > 0 else (float("inf") if need > 0 else 0.0)
+            if ratio > worst[0]:
+                worst = (ratio, f"{what}: needs {need / GIB:,.2f} GiB per rank, a rank has {cap / GIB:,.2f} GiB")
+        return worst
+
+
+@dataclass(frozen=True)
+class ShardOption:
+    """One way to hold a table: ``num_pieces`` equal pieces, placed ``placement``:
+    "any" (distinct ranks of the partitioner's choice), "node" (distinct ranks of one node) or
+    "all" (one per rank)."""
+
+    table: str
+    sharding_type: ShardingType
+    num_pieces: int
+    placement: str
+    tier: str
+    precision: str
+    cost: Cost
+    memory: Memory
+
+    @property
+    def piece_seconds(self) -> float:
+        return self.cost.total
+
+    @property
+    def work(self) -> float:
+        """Seconds summed over all pieces."""
+        return self.cost.total * self.num_pieces
+
+    def describe(self) -> str:
+        k = f" x{self.num_pieces}" if self.num_pieces > 1 and self.placement != "all" else ""
+        return f"{self.sharding_type.value}{k} {self.tier} {self.precision}"
+
+
+def _layouts(table: TableSpec, topo: Topology, allowed: Tuple[str, ...]) -> List[Tuple[ShardingType, int, str]]:
+    world, per_node, nodes = topo.world_size, int(topo.ranks_per_node), int(topo.num_nodes)
+    out: List[Tuple[ShardingType, int, str]] = []
+    types = {ShardingType(t) for t in allowed}
+    if ShardingType.TABLE_WISE in types:
+        out.append((ShardingType.TABLE_WISE, 1, "any"))
+    if ShardingType.ROW_WISE in types and world > 1 and table.num_rows >= world:
+        out.append((ShardingType.ROW_WISE, world, "all"))
+    if ShardingType.TABLE_ROW_WISE in types and nodes > 1 and per_node > 1 and table.num_rows >= per_node:
+        out.append((ShardingType.TABLE_ROW_WISE, per_node, "node"))
+    k = 2
+    while k <= world and table.dim // k >= MIN_COLUMN_WIDTH and table.dim % k == 0:
+        if ShardingType.COLUMN_WISE in types and k <= 8:
+            out.append((ShardingType.COLUMN_WISE, k, "any"))
+        if ShardingType.TABLE_COLUMN_WISE in types and nodes > 1 and k <= per_node:
+            out.append((ShardingType.TABLE_COLUMN_WISE, k, "node"))
+        k *= 2
+    if ShardingType.DATA_PARALLEL in types and world > 1:
+        out.append((ShardingType.DATA_PARALLEL, world, "all"))
+    return out
+
+
+def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
+                      capacity: Capacity | None = None) -> List[ShardOption]:
+    """All options of ``table`` whose piece fits an empty rank; raises ``InfeasiblePlanError``
+    (naming the table and its tightest limit) when none does."""
+    capacity = capacity or Capacity.of(topo, settings)
+    types = tuple(t for t in settings.sharding_types if table.sharding_types is None or t in table.sharding_types)
+    tiers = tuple(t for t in settings.tiers if table.tiers is None or t in table.tiers)
+    precisions = tuple(p for p in settings.precisions if table.precisions is None or p in table.precisions)
+    layouts = _layouts(table, topo, tuple(t for t in types if t in settings.sharding_types))
+    layouts = [lay for lay in layouts if lay[1] <= settings.max_column_pieces or not lay[0].splits_columns]
+    if not (layouts and tiers and precisions):
+        raise InfeasiblePlanError(
+            f"table {table.name!r}: the constraints exclude every option (sharding types {list(types)} usable on "
+            f"{topo.world_size} ranks: {[lay[0].value for lay in layouts]}; tiers {list(tiers)}; precisions "
+            f"{list(precisions)}); allowed by the settings: {list(settings.sharding_types)}, {list(settings.tiers)}, "
+            f"{list(settings.precisions)}")
+    options: List[ShardOption] = []
+    tightest = (float("inf"), "")
+    for tier in tiers:
+        for precision in precisions:
+            for kind, pieces, placement in layouts:
+                cost, memory = piece_cost(table, kind, pieces, tier, precision, topo, settings)
+                ratio, why = capacity.shortfall(memory)
+                if ratio <= 1.0:
+                    options.append(ShardOption(table.name, kind, pieces, placement, tier, precision, cost, memory))
+                elif ratio < tightest[0]:
+                    tightest = (ratio, f"{kind.value} x{pieces} in {tier} at {precision}: {why}")
+    if not options:
+        total = table.num_rows * table.dim
+        raise InfeasiblePlanError(
+            f"table {table.name!r} ({table.num_rows:,} rows x {table.dim} = {total:,} parameters) fits no rank of "
+            f"topology {topo.name!r} ({topo.world_size} ranks) with tiers {list(tiers)} and precisions "
+            f"{list(precisions)}; tightest limit: {tightest[1]}")
+    return options

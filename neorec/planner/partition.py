@@ -1,0 +1,395 @@
+"""The partitioner: pick one option and its ranks per table so that the slowest rank's iteration
+cost is as small as possible, under each rank's memory limits.
+
+    result = partition(options_by_table, topology, capacity, time_limit=2.0)
+    result.makespan, result.lower_bound, result.gap      # seconds, seconds, makespan / bound - 1
+
+1. Greedy start (longest processing time first): tables in decreasing order of their cheapest
+   total work; each takes the (option, ranks) that minimises max(current slowest rank, the ranks
+   it lands on, (work placed so far + its work + cheapest work left) / ranks), ties to less work.
+   Ranks of an option: the least-loaded ranks with room ("any"), the best node's least-loaded
+   ranks ("node": hierarchical TWRW / TWCW), or every rank ("all"). When that runs out of
+   memory, two memory-first passes follow (largest tables first on the least full ranks, by
+   smallest footprint, then by least fill).
+2. Bound-guided packing: for targets T = bound x 1.00, 1.01, ... each table takes its least-work
+   option with pieces <= T, packed largest piece first onto the least-loaded ranks; the best of
+   these and the greedy start goes on to
+3. Improvement search (local search, deterministic): take the slowest rank; try moving every
+   table with a piece there to any of its options and placements, and swapping its single-piece
+   tables with single-piece tables elsewhere; apply the move that lowers (slowest rank, sum of
+   squared loads) most; stop when no move helps, after ``max_rounds`` or ``time_limit`` seconds.
+4. Lower bound (see ``lower_bound``), at least max(sum over tables of the cheapest total work /
+   ranks, the largest cheapest indivisible piece). Memory is not in the bound.
+5. Preference pass (optional): tables move to their most preferred option (precision, then tier,
+   in the user's order) that fits in memory, then the search runs again among options no less
+   preferred: lower precision or slower tiers only where memory needs them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption
+from neorec.planner.topology import Topology
+
+EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Placement:
+    option: ShardOption
+    ranks: Tuple[int, ...]
+
+
+@dataclass
+class PartitionResult:
+    placements: Dict[str, Placement]
+    loads: List[float]            # seconds per rank, [world_size]
+    makespan: float
+    lower_bound: float
+    rounds: int
+    greedy_makespan: float
+
+    @property
+    def gap(self) -> float:
+        if self.lower_bound <= 0:
+            return 0.0
+        return max(0.0, self.makespan / self.lower_bound - 1.0)  # bound <= makespan; clamp float rounding
+
+
+def lower_bound(options: Dict[str, List[ShardOption]], world_size: int) -> float:
+    """The smallest T such that every table has an option whose pieces take <= T and the
+    cheapest such options add up to <= world_size * T. No plan can be faster: its slowest rank
+    holds at least its largest piece, and the ranks together hold all the work. (It is at least
+    max(total cheapest work / ranks, the largest indivisible piece).)"""
+    pieces = sorted({o.piece_seconds for opts in options.values() for o in opts})
+    floor = max(min(o.piece_seconds for o in opts) for opts in options.values())
+    pieces = [p for p in pieces if p >= floor]
+    by_table = [sorted(((o.piece_seconds, o.work) for o in opts)) for opts in options.values()]
+    for i, value in enumerate(pieces):
+        total = 0.0
+        for opts in by_table:
+            total += min(w for p, w in opts if p <= value)
+        bound = max(value, total / world_size)
+        if i + 1 == len(pieces) or bound < pieces[i + 1]:
+            return bound
+    return floor
+
+
+class _State:
+    def __init__(self, topo: Topology, capacity: Capacity):
+        self.world, self.per_node = topo.world_size, int(topo.ranks_per_node)
+        self.cap = capacity
+        self.load = [0.0] * self.world
+        self.device = [0.0] * self.world
+        self.host = [0.0] * self.world
+        self.ssd = [0.0] * self.world
+
+    def fits(self, rank: int, option: ShardOption) -> bool:
+        m, c = option.memory, self.cap
+        return (self.device[rank] + m.device <= c.device * (1 + 1e-9) and self.host[rank] + m.host <= c.host * (1 + 1e-9)
+                and self.ssd[rank] + m.ssd <= c.ssd * (1 + 1e-9))
+
+    def apply(self, placement: Placement, sign: float) -> None:
+        o = placement.option
+        for r in placement.ranks:
+            self.load[r] += sign * o.piece_seconds
+            self.device[r] += sign * o.memory.device
+            self.host[r] += sign * o.memory.host
+            self.ssd[r] += sign * o.memory.ssd
+
+    def fill(self, rank: int) -> float:
+        c = self.cap
+        return max(self.device[rank] / c.device if c.device else 0.0, self.host[rank] / c.host if c.host else 0.0,
+                   self.ssd[rank] / c.ssd if c.ssd else 0.0)
+
+    def place(self, option: ShardOption, by_memory: bool = False) -> Optional[Tuple[int, ...]]:
+        """The ranks this option would use now (None if it does not fit): the least loaded, or
+        with ``by_memory`` the least full."""
+        k = option.num_pieces
+        key = (lambda r: (self.fill(r), self.load[r], r)) if by_memory else (lambda r: (self.load[r], r))
+        if option.placement == "all":
+            return tuple(range(self.world)) if all(self.fits(r, option) for r in range(self.world)) else None
+        if option.placement == "any":
+            room = [r for r in range(self.world) if self.fits(r, option)]
+            if len(room) < k:
+                return None
+            return tuple(sorted(heapq.nsmallest(k, room, key=key)))
+        best: Optional[Tuple[float, Tuple[int, ...]]] = None
+        for node in range(self.world // self.per_node):
+            ranks = range(node * self.per_node, (node + 1) * self.per_node)
+            room = [r for r in ranks if self.fits(r, option)]
+            if len(room) < k:
+                continue
+            chosen = heapq.nsmallest(k, room, key=key)
+            peak = max(self.fill(r) if by_memory else self.load[r] for r in chosen)
+            if best is None or peak < best[0] - EPS:
+                best = (peak, tuple(sorted(chosen)))
+        return None if best is None else best[1]
+
+    def fullest_after(self, ranks: Sequence[int], option: ShardOption) -> float:
+        """The fullest tier of the fullest of ``ranks`` once ``option`` is added (fraction)."""
+        m, c = option.memory, self.cap
+        worst = 0.0
+        for r in ranks:
+            for used, need, cap in ((self.device[r], m.device, c.device), (self.host[r], m.host, c.host),
+                                    (self.ssd[r], m.ssd, c.ssd)):
+                if cap > 0:
+                    worst = max(worst, (used + need) / cap)
+        return worst
+
+    def peak_after(self, ranks: Sequence[int], seconds: float, base_peak: float) -> float:
+        return max(base_peak, max(self.load[r] for r in ranks) + seconds)
+
+    def sumsq_delta(self, ranks: Sequence[int], seconds: float) -> float:
+        return sum((self.load[r] + seconds) ** 2 - self.load[r] ** 2 for r in ranks)
+
+
+def _tightest(state: _State, options: List[ShardOption]) -> str:
+    best = (float("inf"), "")
+    for o in options:
+        for r in range(state.world):
+            for need, used, cap, what in ((o.memory.device, state.device[r], state.cap.device, "device memory"),
+                                          (o.memory.host, state.host[r], state.cap.host, "host DRAM share"),
+                                          (o.memory.ssd, state.ssd[r], state.cap.ssd, "SSD share")):
+                if need > 0 and used + need > cap:
+                    ratio = (used + need) / cap if cap > 0 else float("inf")
+                    if ratio < best[0]:
+                        best = (ratio, f"{o.describe()}: {what} of rank {r} would hold {(used + need) / 2**30:,.2f} "
+                                       f"GiB of {cap / 2**30:,.2f} GiB")
+    return best[1]
+
+
+def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
+              time_limit: float = 2.0, max_rounds: int = 10_000,
+              bound_steps: int = 60, preference: Optional[Callable[[ShardOption], tuple]] = None) -> PartitionResult:
+    """See the module docstring. ``options``: table name -> its options (non-empty lists).
+    ``preference``: option -> sort key (smaller = preferred, e.g. fp32 before fp16); after the
+    search, tables move to their most preferred option that fits, and the search runs again
+    among options at least that preferred."""
+    start = time.perf_counter()
+    world = topo.world_size
+    try:
+        state, placements = _greedy(options, topo, capacity, "time")
+    except InfeasiblePlanError:
+        try:
+            state, placements = _greedy(options, topo, capacity, "footprint")
+        except InfeasiblePlanError:
+            state, placements = _greedy(options, topo, capacity, "fill")
+    greedy = max(state.load)
+    bound = lower_bound(options, world)
+    best_loads, best_placements = max(state.load), dict(placements)
+    for step in range(bound_steps):
+        target = bound * (1 + 0.01 * step)
+        if target >= best_loads or time.perf_counter() - start > time_limit / 2:
+            break
+        for adaptive in (False, True):
+            packed = _pack_to_target(options, topo, capacity, target, adaptive)
+            if packed is not None and max(packed[0].load) < best_loads * (1 - 1e-9):
+                best_loads, best_placements = max(packed[0].load), packed[1]
+    if best_placements is not placements and best_loads < greedy:
+        state, placements = _State(topo, capacity), best_placements
+        for p in placements.values():
+            state.apply(p, +1)
+    rounds = 0
+    while rounds < max_rounds and time.perf_counter() - start < time_limit:
+        rounds += 1
+        if not _improve(state, placements, options):
+            break
+    if preference is not None:
+        allowed = _prefer(state, placements, options, preference)
+        while rounds < 2 * max_rounds and time.perf_counter() - start < 2 * time_limit:
+            rounds += 1
+            if not _improve(state, placements, allowed):
+                break
+    makespan = max(state.load)
+    return PartitionResult({n: placements[n] for n in options}, list(state.load), makespan, bound, rounds, greedy)
+
+
+def _prefer(state: _State, placements: Dict[str, Placement], options: Dict[str, List[ShardOption]],
+            preference: Callable[[ShardOption], tuple]) -> Dict[str, List[ShardOption]]:
+    """Move tables (largest first) to their most preferred option that fits in memory, on the
+    least loaded ranks: a less preferred precision or tier is a fallback for memory, not a speed
+    knob. Returns the options each table may still use (none less preferred than its own)."""
+    for name in sorted(placements, key=lambda n: -placements[n].option.work):
+        old = placements[name]
+        better = sorted((o for o in options[name] if preference(o) < preference(old.option)),
+                        key=lambda o: (preference(o), o.work))
+        if not better:
+            continue
+        state.apply(old, -1)
+        chosen = old
+        for option in better:
+            ranks = state.place(option)
+            if ranks is not None:
+                chosen = Placement(option, ranks)
+                break
+        placements[name] = chosen
+        state.apply(chosen, +1)
+    return {name: [o for o in opts if preference(o) <= preference(placements[name].option)]
+            for name, opts in options.items()}
+
+
+def _pack_to_target(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
+                    target: float, adaptive: bool) -> Optional[Tuple[_State, Dict[str, Placement]]]:
+    """Bound-guided packing: every table takes its least-work option whose pieces take <= target,
+    then replicated / all-rank options go first and the rest in decreasing piece size onto the
+    least-loaded ranks with room. ``adaptive``: at its turn a table may instead take the
+    least-work option (pieces <= target) that keeps its ranks under the target, or failing
+    that the one with the lowest peak. None when a table has no such option or nothing fits."""
+    choice: Dict[str, ShardOption] = {}
+    for name, opts in options.items():
+        small = [o for o in opts if o.piece_seconds <= target * (1 + 1e-9)]
+        if not small:
+            return None
+        choice[name] = min(small, key=lambda o: (o.work, o.piece_seconds))
+    state = _State(topo, capacity)
+    placements: Dict[str, Placement] = {}
+    order = sorted(choice, key=lambda n: (choice[n].placement != "all", -choice[n].piece_seconds * (
+        choice[n].num_pieces if choice[n].placement == "node" else 1), n))
+    for name in order:
+        candidates = [choice[name]]
+        if adaptive:
+            candidates = sorted((o for o in options[name] if o.piece_seconds <= target * (1 + 1e-9)),
+                                key=lambda o: (o.work, o.piece_seconds))
+        best = None
+        for option in candidates:
+            ranks = state.place(option)
+            if ranks is None:
+                continue
+            peak = max(state.load[r] for r in ranks) + option.piece_seconds
+            if peak <= target * (1 + 1e-9):
+                best = (peak, option, ranks)
+                break
+            if best is None or peak < best[0]:
+                best = (peak, option, ranks)
+        if best is None:
+            return None
+        placements[name] = Placement(best[1], best[2])
+        state.apply(placements[name], +1)
+    return state, {n: placements[n] for n in options}
+
+
+def _greedy(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
+            goal: str) -> Tuple[_State, Dict[str, Placement]]:
+    """``goal`` "time": longest processing time first (see the module docstring). The fallbacks
+    when memory is tight place the largest tables first on the least full ranks: "footprint"
+    (best-fit decreasing) takes the option with the smallest total footprint (all pieces, all
+    tiers, buffers included), "fill" the option that leaves its fullest rank and tier least full."""
+    memory_first = goal != "time"
+    state = _State(topo, capacity)
+    world = state.world
+    min_work = {name: min(o.work for o in opts) for name, opts in options.items()}
+    if memory_first:
+        size = {name: min((o.memory.device + o.memory.host + o.memory.ssd) * o.num_pieces for o in opts)
+                for name, opts in options.items()}
+        order = sorted(options, key=lambda name: (-size[name], name))
+    else:
+        order = sorted(options, key=lambda name: (-min_work[name], name))
+    remaining = sum(min_work.values())
+    placed_work = 0.0
+    placements: Dict[str, Placement] = {}
+    for name in order:
+        remaining -= min_work[name]
+        peak = max(state.load)
+        best = None
+        for option in options[name]:
+            ranks = state.place(option, by_memory=memory_first)
+            if ranks is None:
+                continue
+            if memory_first:
+                fill = state.fullest_after(ranks, option)
+                footprint = (option.memory.device + option.memory.host + option.memory.ssd) * option.num_pieces
+                score = (footprint, fill, option.work) if goal == "footprint" else (round(fill, 3), option.work)
+            else:
+                projected = (placed_work + option.work + remaining) / world
+                score = (max(state.peak_after(ranks, option.piece_seconds, peak), projected), option.work)
+            if best is None or score < best[0]:
+                best = (score, Placement(option, ranks))
+        if best is None:
+            raise InfeasiblePlanError(f"table {name!r} does not fit after placing {len(placements)} other tables "
+                                      f"(the cluster is too full); tightest limit: {_tightest(state, options[name])}")
+        placements[name] = best[1]
+        state.apply(best[1], +1)
+        placed_work += best[1].option.work
+    return state, placements
+
+
+def _improve(state: _State, placements: Dict[str, Placement], options: Dict[str, List[ShardOption]]) -> bool:
+    peak = max(state.load)
+    hot = max(range(state.world), key=lambda r: (state.load[r], -r))
+    on_hot = [n for n, p in placements.items() if hot in p.ranks]
+    best: Optional[Tuple[Tuple[float, float], str, Placement]] = None
+    current = (peak, 0.0)
+    for name in on_hot:
+        old = placements[name]
+        state.apply(old, -1)
+        base_peak = max(state.load)
+        removed = -state.sumsq_delta(old.ranks, old.option.piece_seconds)  # sumsq change of removing it
+        for option in options[name]:
+            ranks = state.place(option)
+            if ranks is None or (option is old.option and ranks == old.ranks):
+                continue
+            key = (state.peak_after(ranks, option.piece_seconds, base_peak),
+                   removed + state.sumsq_delta(ranks, option.piece_seconds))
+            if _better(key, current) and (best is None or _better(key, best[0])):
+                best = (key, name, Placement(option, ranks))
+        state.apply(old, +1)
+    if best is None:
+        best = _best_swap(state, placements, hot, peak)
+    if best is None:
+        return False
+    _, name, new = best
+    if isinstance(name, tuple):  # a swap of two single-piece tables
+        for n, p in zip(name, new):
+            state.apply(placements[n], -1)
+        for n, p in zip(name, new):
+            placements[n] = p
+            state.apply(p, +1)
+        return True
+    state.apply(placements[name], -1)
+    placements[name] = new
+    state.apply(new, +1)
+    return True
+
+
+def _better(a: Tuple[float, float], b: Tuple[float, float]) -> bool:
+    scale = max(abs(b[0]), EPS)
+    if a[0] < b[0] - 1e-9 * scale:
+        return True
+    return a[0] <= b[0] + 1e-9 * scale and a[1] < b[1] - 1e-9 * scale * scale
+
+
+def _best_swap(state: _State, placements: Dict[str, Placement], hot: int, peak: float):
+    singles = [n for n, p in placements.items() if len(p.ranks) == 1 and p.option.placement == "any"]
+    mine = [n for n in singles if placements[n].ranks[0] == hot]
+    others = [n for n in singles if placements[n].ranks[0] != hot]
+    rest_peak = max((state.load[r] for r in range(state.world) if r != hot), default=0.0)
+    best = None
+    for a in mine:
+        pa = placements[a]
+        ta = pa.option.piece_seconds
+        for b in others:
+            pb = placements[b]
+            tb = pb.option.piece_seconds
+            if tb >= ta:
+                continue
+            other = pb.ranks[0]
+            new_hot, new_other = state.load[hot] - ta + tb, state.load[other] - tb + ta
+            new_peak = max(new_hot, new_other, max((state.load[r] for r in range(state.world)
+                                                    if r not in (hot, other)), default=0.0)) \
+                if state.load[other] >= rest_peak else max(new_hot, new_other, rest_peak)
+            if new_peak >= peak * (1 - 1e-9):
+                continue
+            new_a, new_b = Placement(pa.option, (other,)), Placement(pb.option, (hot,))
+            state.apply(pa, -1)
+            state.apply(pb, -1)
+            ok = state.fits(other, pa.option) and state.fits(hot, pb.option)
+            state.apply(pa, +1)
+            state.apply(pb, +1)
+            if ok and (best is None or new_peak < best[0][0]):
+                best = ((new_peak, 0.0), (a, b), (new_a, new_b))
+    return best

@@ -1,0 +1,181 @@
+"""``plan_tables``: tables + topology + settings -> a ``ShardingPlan`` and its predicted cost.
+
+    result = plan_tables(tables, get_topology("zionex"), PlanSettings(batch_size=512))
+    result.plan.save("plan.json")       # what `neorec train --plan plan.json` and shard() consume
+    result.makespan, result.lower_bound, result.gap, result.rank_rows()
+
+Preferences are relaxed step by step: first only the first tier and first precision allowed;
+when that does not fit, more precisions (in the given order), then more tiers. The first level
+that fits is planned (enumerate -> cost -> partition); inside it, tables then move back to the
+preferred precision and tier wherever memory allows. When none fits, the last level's
+``InfeasiblePlanError`` names the table and its tightest limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+from neorec.planner.cost_model import Cost, Memory, PlanSettings, TableSpec
+from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, enumerate_options
+from neorec.planner.partition import PartitionResult, Placement, partition
+from neorec.planner.topology import Topology
+from neorec.sharding.plan import Shard, ShardingPlan, ShardingType, TablePlan
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    cost: Cost
+    memory: Memory
+    num_pieces: int
+
+
+@dataclass
+class PlanResult:
+    plan: ShardingPlan
+    placements: Dict[str, Placement]
+    partition: PartitionResult
+    topology: Topology
+    settings: PlanSettings
+    tables: List[TableSpec]
+
+    @property
+    def makespan(self) -> float:
+        return self.partition.makespan
+
+    @property
+    def lower_bound(self) -> float:
+        return self.partition.lower_bound
+
+    @property
+    def gap(self) -> float:
+        return self.partition.gap
+
+    @property
+    def tiers(self) -> Dict[str, str]:
+        return {name: p.option.tier for name, p in self.placements.items()}
+
+    def ranks(self) -> List[RankSummary]:
+        out = [RankSummary(r, Cost(), Memory(), 0) for r in range(self.topology.world_size)]
+        for p in self.placements.values():
+            for r in p.ranks:
+                out[r].cost.add(p.option.cost)
+                out[r].memory.add(p.option.memory)
+                out[r].num_pieces += 1
+        return out
+
+    def to_report(self) -> dict:
+        return {
+            "topology": self.topology.to_dict(),
+            "settings": dataclasses.asdict(self.settings),
+            "makespan_seconds": self.makespan, "lower_bound_seconds": self.lower_bound, "gap": self.gap,
+            "greedy_makespan_seconds": self.partition.greedy_makespan, "search_rounds": self.partition.rounds,
+            "tables": {n: {"option": p.option.describe(), "sharding_type": p.option.sharding_type.value,
+                           "tier": p.option.tier, "precision": p.option.precision, "ranks": list(p.ranks)}
+                       for n, p in self.placements.items()},
+            "ranks": [{"rank": s.rank, "num_pieces": s.num_pieces, "device_bytes": s.memory.device,
+                       "host_bytes": s.memory.host, "ssd_bytes": s.memory.ssd, "total_seconds": s.cost.total,
+                       **{f"{k}_seconds": v for k, v in s.cost.as_dict().items()}} for s in self.ranks()],
+        }
+
+
+def _cuts(size: int, parts: int) -> List[int]:
+    return [size * i // parts for i in range(parts + 1)]
+
+
+def table_plan(table: TableSpec, placement: Placement) -> TablePlan:
+    """The ``TablePlan`` of one placed option (even row / column cuts over its sorted ranks)."""
+    o, ranks = placement.option, sorted(placement.ranks)
+    kind = o.sharding_type
+    if kind == ShardingType.DATA_PARALLEL:
+        shards: List[Shard] = []
+    elif kind.splits_rows:
+        c = _cuts(table.num_rows, len(ranks))
+        shards = [Shard(r, c[i], c[i + 1], 0, table.dim) for i, r in enumerate(ranks)]
+    elif kind.splits_columns:
+        c = _cuts(table.dim, len(ranks))
+        shards = [Shard(r, 0, table.num_rows, c[i], c[i + 1]) for i, r in enumerate(ranks)]
+    else:
+        shards = [Shard(ranks[0], 0, table.num_rows, 0, table.dim)]
+    return TablePlan(kind, shards, o.precision)
+
+
+def _preference(settings: PlanSettings):
+    """Sort key of an option: earlier precision in the user's list first, then earlier tier."""
+    precisions, tiers = list(settings.precisions), list(settings.tiers)
+    return lambda o: (precisions.index(o.precision), tiers.index(o.tier))
+
+
+def _levels(settings: PlanSettings) -> List[PlanSettings]:
+    levels = []
+    for t in range(1, len(settings.tiers) + 1):
+        for p in range(1, len(settings.precisions) + 1):
+            levels.append(dataclasses.replace(settings, tiers=settings.tiers[:t], precisions=settings.precisions[:p]))
+    return levels
+
+
+def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
+                time_limit: float = 10.0, max_rounds: int = 10_000) -> PlanResult:
+    """Plan ``tables`` on ``topology``; see the module docstring. ``time_limit`` bounds each
+    attempt's search (seconds); with ``time_limit=inf`` the result depends on the inputs only."""
+    if not tables:
+        raise ValueError("planner: no tables to plan")
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"planner: duplicate table names {sorted({n for n in names if names.count(n) > 1})}")
+    error: InfeasiblePlanError | None = None
+    for level in _levels(settings):
+        capacity = Capacity.of(topology, level)
+        try:
+            options: Dict[str, List[ShardOption]] = {t.name: enumerate_options(t, topology, level, capacity)
+                                                      for t in tables}
+            result = partition(options, topology, capacity, time_limit=time_limit, max_rounds=max_rounds,
+                               preference=_preference(settings))
+        except InfeasiblePlanError as exc:
+            error = exc
+            continue
+        plan = ShardingPlan({t.name: table_plan(t, result.placements[t.name]) for t in tables},
+                            topology.world_size, int(topology.ranks_per_node))
+        return PlanResult(plan, result.placements, result, topology, level, list(tables))
+    assert error is not None
+    raise error
+
+
+def evaluate_plan(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
+                  tiers: Dict[str, str] | None = None) -> PlanResult:
+    """The cost model applied to a given ``plan`` (any plan, e.g. hand-written or a baseline):
+    a ``PlanResult`` whose per-rank costs and memory can be compared and simulated. Pieces are
+    costed as even pieces of their type; ``tiers`` per table default to "device"."""
+    from neorec.planner.cost_model import piece_cost
+    from neorec.planner.enumerate import Capacity
+
+    specs = {t.name: t for t in tables}
+    plan.validate([_table_config(t) for t in tables], topology.world_size)
+    placements: Dict[str, Placement] = {}
+    loads = [0.0] * topology.world_size
+    for name, entry in plan.tables.items():
+        kind = entry.sharding_type
+        tier = (tiers or {}).get(name, "device")
+        precision = entry.precision or settings.precisions[0]
+        if kind == ShardingType.DATA_PARALLEL:
+            ranks, placement = tuple(range(topology.world_size)), "all"
+        else:
+            ranks = tuple(s.rank for s in entry.shards)
+            placement = "any" if kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else "node"
+            placement = "all" if kind == ShardingType.ROW_WISE else placement
+        cost, memory = piece_cost(specs[name], kind, len(ranks), tier, precision, topology, settings)
+        option = ShardOption(name, kind, len(ranks), placement, tier, precision, cost, memory)
+        placements[name] = Placement(option, ranks)
+        for r in ranks:
+            loads[r] += cost.total
+    makespan = max(loads)
+    partition_result = PartitionResult(placements, loads, makespan, 0.0, 0, makespan)
+    return PlanResult(plan, placements, partition_result, topology, settings, list(tables))
+
+
+def _table_config(spec: TableSpec):
+    from neorec.embedding.config import TableConfig
+
+    return TableConfig(spec.name, spec.num_rows, spec.dim)

@@ -1,0 +1,142 @@
+"""The cost model: traffic and memory of each sharding type, checked by hand-computed numbers.
+
+    python -m pytest tests/unit/planner/test_cost_model.py -q
+"""
+
+import pytest
+
+from neorec.planner.cost_model import (PlanSettings, TableSpec, allreduce_seconds, alltoall_seconds,
+                                       piece_cost)
+from neorec.planner.topology import Topology, dgx_h100, get_topology, zionex
+from neorec.sharding.plan import ShardingType
+
+from planner_helpers import toy_topology
+
+TABLE = TableSpec("t", num_rows=1000, dim=64, pooling=4.0)
+
+
+def test_alltoall_splits_intra_and_inter_node_bytes():
+    topo = toy_topology(num_nodes=2, ranks_per_node=4, intra=100.0, inter=10.0)
+    # 8 ranks: of 800 bytes, 300 go to the 3 node peers, 400 to the other node; the NIC is slower
+    assert alltoall_seconds(800.0, topo) == pytest.approx(max(300 / 100, 400 / 10))
+    assert alltoall_seconds(800.0, toy_topology(1, 4, intra=100.0)) == pytest.approx(600 / 100)
+    assert alltoall_seconds(800.0, toy_topology(1, 1)) == 0.0
+
+
+def test_allreduce_is_hierarchical():
+    topo = toy_topology(num_nodes=4, ranks_per_node=2, intra=100.0, inter=10.0)
+    expected = 2 * 1 / 2 * 1000 / 100 + 2 * 3 / 4 * 1000 / (2 * 10)
+    assert allreduce_seconds(1000.0, topo) == pytest.approx(expected)
+
+
+def test_row_wise_pays_full_width_partial_sums_and_column_wise_a_slice():
+    topo = toy_topology(1, 4)
+    s = PlanSettings(batch_size=100)
+    tw, _ = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "device", "fp32", topo, s)
+    rw, _ = piece_cost(TABLE, ShardingType.ROW_WISE, 4, "device", "fp32", topo, s)
+    cw, _ = piece_cost(TABLE, ShardingType.COLUMN_WISE, 4, "device", "fp32", topo, s)
+    assert rw.output_comm == pytest.approx(tw.output_comm)          # G x 64 partial sums per piece
+    assert cw.output_comm == pytest.approx(tw.output_comm / 4)      # G x 16 per piece
+    assert rw.lookup_forward == pytest.approx(tw.lookup_forward / 4)  # a quarter of the ids
+    assert cw.lookup_forward == pytest.approx(tw.lookup_forward / 4)  # all ids, a quarter of the bytes
+    # the bytes: 400 global samples x 4 ids x 64 x 4 bytes read forward
+    assert tw.lookup_forward == pytest.approx(400 * 4 * 64 * 4 / topo.device_bandwidth)
+    assert tw.gradient_comm == tw.output_comm and tw.allreduce == 0.0
+
+
+def test_data_parallel_all_reduces_the_table_and_skips_the_alltoall():
+    topo = toy_topology(1, 4)
+    dp, memory = piece_cost(TABLE, ShardingType.DATA_PARALLEL, 4, "device", "fp32", topo, PlanSettings(batch_size=100))
+    assert dp.input_comm == dp.output_comm == dp.gradient_comm == 0.0
+    assert dp.allreduce == pytest.approx(allreduce_seconds(1000 * 64 * 4, topo))
+    assert memory.device == 1000 * (64 * 4 + 4)  # the whole table + row-wise AdaGrad state, no buffers
+
+
+def test_memory_by_precision_optimizer_and_tier():
+    topo = toy_topology(1, 1)
+    base = dict(batch_size=1)
+    _, fp32 = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "device", "fp32", topo, PlanSettings(**base, optimizer="sgd"))
+    _, fp16 = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "device", "fp16", topo, PlanSettings(**base, optimizer="sgd"))
+    buffers = 2 * (4 * 8 + 1 * 8 + 64 * 4)  # ids + lengths and one pooled row, double-buffered
+    assert fp32.device == 1000 * 64 * 4 + buffers
+    assert fp16.device == 1000 * 64 * 2 + buffers
+    _, ada = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "device", "fp32", topo, PlanSettings(**base, optimizer="adagrad"))
+    assert ada.device == 1000 * 64 * 8 + buffers
+    _, dram = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "dram", "fp16", topo, PlanSettings(**base))
+    assert dram.host == 1000 * (64 * 2 + 4) and dram.device == buffers
+    _, cached = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "cached_dram", "fp16", topo,
+                           PlanSettings(**base, cache_fraction=0.1))
+    assert cached.host == 1000 * (64 * 2 + 4) and cached.device == 100 * (64 * 4 + 4) + buffers
+
+
+def test_slower_tiers_cost_more():
+    topo = zionex(1)
+    s = PlanSettings(batch_size=512)
+    times = [piece_cost(TABLE, ShardingType.TABLE_WISE, 1, tier, "fp32", topo, s)[0].compute
+             for tier in ("device", "cached_dram", "dram")]
+    assert times[0] < times[1] < times[2]
+
+
+def test_topology_presets_and_json(tmp_path, monkeypatch):
+    z = get_topology("zionex")
+    assert (z.num_nodes, z.ranks_per_node, z.world_size) == (16, 8, 128)
+    assert z.inter_node_bandwidth == 25e9 and z.device_bandwidth == 1555e9
+    assert dgx_h100().device_bandwidth == 3350e9
+    path = tmp_path / "topo.json"
+    z.with_nodes(2).save(path)
+    assert Topology.load(path) == z.with_nodes(2)
+    assert get_topology(str(path)).world_size == 16
+    with pytest.raises(ValueError, match="unknown topology 'nope'"):
+        get_topology("nope")
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="not calibrated yet.*neorec plan --calibrate"):
+        get_topology("local-cpu")
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(path))
+    assert get_topology("local-cpu").world_size == 16
+    with pytest.raises(ValueError, match="device_bandwidth must be > 0"):
+        Topology("bad", 1, 1, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0)
+
+
+def test_bad_specs_and_settings_are_rejected():
+    with pytest.raises(ValueError, match="table 'x': num_rows"):
+        TableSpec("x", 0, 4)
+    with pytest.raises(ValueError, match="tiers"):
+        TableSpec("x", 10, 4, tiers=("hbm",))
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        PlanSettings(optimizer="lamb")
+    with pytest.raises(ValueError, match="precisions"):
+        PlanSettings(precisions=("int4",))
+
+
+def test_bytes_agree_with_the_collectives_byte_counts_of_bench_sharding():
+    """At 1 B/s per link the seconds are bytes: the model's traffic for bench_sharding's reference
+    job on 2 ranks equals what CommStats counted at the collectives (benchmarks/RESULTS.md,
+    Sharding: MB per step)."""
+    tables = [TableSpec(f"t{i}", r, 16, 2.0) for i, r in enumerate([100000, 50000, 20000, 10000, 5000, 2000, 1000, 100])]
+    topo = Topology("unit", 1, 2, 1e12, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0)
+    settings = PlanSettings(batch_size=1024)
+    measured_mb = {  # kind: (input ids + lengths, output, replica all-reduce), summed over ranks
+        ShardingType.TABLE_WISE: (0.197, 0.524, 0.0), ShardingType.ROW_WISE: (0.263, 1.049, 0.0),
+        ShardingType.COLUMN_WISE: (0.394, 0.524, 0.0), ShardingType.DATA_PARALLEL: (0.0, 0.0, 24.077)}
+    for kind, expected in measured_mb.items():
+        pieces = 1 if kind == ShardingType.TABLE_WISE else 2
+        totals = [0.0, 0.0, 0.0]
+        for t in tables:
+            cost, _ = piece_cost(t, kind, pieces, "device", "fp32", topo, settings)
+            totals[0] += cost.input_comm * pieces
+            totals[1] += cost.output_comm * pieces
+            totals[2] += cost.allreduce * pieces
+        assert [round(v / 1e6, 3) for v in totals] == pytest.approx(list(expected), abs=0.0015), kind
+
+
+def test_calibrated_per_id_cost_is_added_to_the_backward():
+    import dataclasses
+
+    topo = toy_topology(1, 2)
+    slow = dataclasses.replace(topo, seconds_per_id=1e-6)
+    s = PlanSettings(batch_size=100)
+    base, _ = piece_cost(TABLE, ShardingType.ROW_WISE, 2, "device", "fp32", topo, s)
+    more, _ = piece_cost(TABLE, ShardingType.ROW_WISE, 2, "device", "fp32", slow, s)
+    ids = 200 * 4.0 / 2  # global batch x pooling / pieces
+    assert more.lookup_backward - base.lookup_backward == pytest.approx(ids * 1e-6)
+    assert more.lookup_forward == base.lookup_forward

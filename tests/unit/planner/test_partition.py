@@ -1,0 +1,173 @@
+"""The partitioner and planner on plain data: plans validate, memory limits hold, the lower
+bound is a bound, hierarchical plans are found, infeasible input names the table and the limit.
+
+    python -m pytest tests/unit/planner/test_partition.py -q
+"""
+
+import itertools
+import math
+
+import pytest
+
+from neorec.planner.baselines import BASELINES, baseline_loads
+from neorec.planner.cost_model import PRECISION_BYTES, PlanSettings, TableSpec, state_bytes_per_row
+from neorec.planner.enumerate import Capacity, InfeasiblePlanError, enumerate_options
+from neorec.planner.partition import lower_bound
+from neorec.planner.planner import plan_tables
+from neorec.planner.presets import get_model_preset
+from neorec.planner.topology import zionex
+from neorec.sharding.plan import ShardingType
+
+from planner_helpers import random_tables, table_configs, toy_topology
+
+
+def _weights_per_rank(result):
+    """Bytes of weights + optimizer state per rank and tier, recomputed from the ShardingPlan's shards."""
+    world = result.topology.world_size
+    device, host = [0.0] * world, [0.0] * world
+    specs = {t.name: t for t in result.tables}
+    for name, entry in result.plan.tables.items():
+        tier = result.tiers[name]
+        elem = PRECISION_BYTES[entry.precision]
+        shards = entry.shards or []
+        if entry.sharding_type == ShardingType.DATA_PARALLEL:
+            t = specs[name]
+            shards = [type("S", (), {"rank": r, "num_rows": t.num_rows, "num_cols": t.dim})() for r in range(world)]
+        for s in shards:
+            nbytes = s.num_rows * (s.num_cols * elem + state_bytes_per_row(result.settings.optimizer, s.num_cols))
+            (device if tier == "device" else host)[s.rank] += nbytes
+    return device, host
+
+
+@pytest.mark.parametrize("seed,num_tables,nodes,per_node", [(0, 12, 1, 4), (1, 30, 2, 4), (2, 20, 4, 2)])
+def test_plans_validate_respect_memory_and_beat_baselines(seed, num_tables, nodes, per_node):
+    tables = random_tables(seed, num_tables)
+    topo = toy_topology(nodes, per_node, device_gb=0.5)
+    settings = PlanSettings(batch_size=256)
+    result = plan_tables(tables, topo, settings, time_limit=2.0)
+    result.plan.validate(table_configs(tables), topo.world_size)
+    assert result.plan.ranks_per_node == per_node
+    device, _ = _weights_per_rank(result)
+    capacity = Capacity.of(topo, settings)
+    summaries = result.ranks()
+    for r in range(topo.world_size):
+        assert device[r] <= summaries[r].memory.device <= capacity.device * (1 + 1e-9)
+    # the reported loads are the sums of the placed pieces, the makespan their maximum
+    assert result.makespan == pytest.approx(max(s.cost.total for s in summaries))
+    assert result.lower_bound <= result.makespan * (1 + 1e-9)
+    assert 0.0 <= result.gap < 0.5
+    for name in BASELINES:
+        assert result.makespan <= max(baseline_loads(name, tables, topo, settings)) * (1 + 1e-9), name
+
+
+def test_matches_brute_force_optimum_on_a_tiny_instance():
+    tables = [TableSpec(f"t{i}", 1000, 16, pooling=p) for i, p in enumerate([9.0, 7.0, 6.0, 5.0, 4.0, 2.0])]
+    topo = toy_topology(1, 2)
+    settings = PlanSettings(batch_size=64, sharding_types=("table_wise",))
+    result = plan_tables(tables, topo, settings)
+    options = {t.name: enumerate_options(t, topo, settings)[0] for t in tables}
+    best = math.inf
+    for ranks in itertools.product(range(2), repeat=len(tables)):
+        loads = [0.0, 0.0]
+        for t, r in zip(tables, ranks):
+            loads[r] += options[t.name].piece_seconds
+        best = min(best, max(loads))
+    assert result.makespan == pytest.approx(best)
+
+
+def test_lower_bound_is_at_least_work_over_ranks_and_largest_piece():
+    tables = random_tables(3, 10)
+    topo = toy_topology(1, 4)
+    settings = PlanSettings(batch_size=128)
+    options = {t.name: enumerate_options(t, topo, settings) for t in tables}
+    bound = lower_bound(options, 4)
+    work = sum(min(o.work for o in opts) for opts in options.values()) / 4
+    piece = max(min(o.piece_seconds for o in opts) for opts in options.values())
+    assert bound >= max(work, piece) * (1 - 1e-12)
+
+
+def test_hierarchical_table_row_wise_is_found_by_the_search():
+    # one hot table too big for a rank but fitting a node; NICs much slower than the node's links
+    topo = toy_topology(num_nodes=2, ranks_per_node=4, device_gb=0.3, intra=200e9, inter=2e9)
+    hot = TableSpec("hot", 2_000_000, 64, pooling=20.0)   # 512 MB of fp32 rows + state
+    small = [TableSpec(f"s{i}", 1000, 16, pooling=1.0) for i in range(6)]
+    settings = PlanSettings(batch_size=512, sharding_types=("table_wise", "row_wise", "table_row_wise", "column_wise"))
+    result = plan_tables([hot] + small, topo, settings)
+    entry = result.plan.tables["hot"]
+    assert entry.sharding_type == ShardingType.TABLE_ROW_WISE
+    assert len({result.plan.node_of(s.rank) for s in entry.shards}) == 1 and len(entry.shards) == 4
+    result.plan.validate(table_configs([hot] + small), 8)
+
+
+def test_precision_and_tier_are_relaxed_only_when_needed():
+    topo = toy_topology(1, 2, device_gb=0.05, host_gb=1.0)
+    settings = PlanSettings(batch_size=16, precisions=("fp32", "fp16"), tiers=("device", "dram"))
+    small = plan_tables([TableSpec("a", 10_000, 16)], topo, settings)
+    assert small.plan.tables["a"].precision == "fp32" and small.tiers["a"] == "device"
+    big = plan_tables([TableSpec("a", 1_000_000, 32), TableSpec("b", 1000, 8)], topo, settings)  # 128 MB at fp32
+    assert "dram" in big.tiers.values() or "fp16" in {e.precision for e in big.plan.tables.values()}
+
+
+def test_infeasible_input_names_the_table_and_the_limit():
+    topo = toy_topology(1, 2, device_gb=0.01)
+    settings = PlanSettings(batch_size=8)
+    with pytest.raises(InfeasiblePlanError, match=r"table 'huge'.*tightest limit: .*device memory.*GiB"):
+        plan_tables([TableSpec("ok", 100, 8), TableSpec("huge", 10_000_000, 64)], topo, settings)
+    with pytest.raises(InfeasiblePlanError, match=r"table 'picky': the constraints exclude every option"):
+        plan_tables([TableSpec("picky", 100, 8, sharding_types=("row_wise",))], toy_topology(1, 1), settings)
+    # each fits alone, not all together: the message names the table that found no room
+    many = [TableSpec(f"m{i}", 300_000, 8) for i in range(4)]   # 9.6 MB each, 2 ranks x 8.5 MB
+    with pytest.raises(InfeasiblePlanError, match=r"table 'm\d'.*tightest limit"):
+        plan_tables(many, topo, settings)
+
+
+def test_deterministic_without_time_limit():
+    tables = random_tables(4, 25)
+    topo = toy_topology(2, 4)
+    a = plan_tables(tables, topo, PlanSettings(batch_size=64), time_limit=math.inf, max_rounds=50)
+    b = plan_tables(tables, topo, PlanSettings(batch_size=64), time_limit=math.inf, max_rounds=50)
+    assert a.plan.to_json() == b.plan.to_json()
+
+
+def test_model_f_fits_16_zionex_nodes_with_fp16_rows_dram_and_row_wise_across_nodes():
+    preset = get_model_preset("neo-model-f")
+    assert sum(t.num_parameters for t in preset.tables) == pytest.approx(12e12, rel=1e-6)
+    topo = zionex(16)
+    result = plan_tables(preset.tables, topo, preset.settings, time_limit=1.0)
+    result.plan.validate(table_configs(preset.tables), 128)
+    assert result.settings.optimizer == "rowwise_adagrad"
+    assert "fp16" in {e.precision for e in result.plan.tables.values()}
+    assert any(tier in ("dram", "cached_dram") for tier in result.tiers.values())
+    nodes = {result.plan.node_of(s.rank) for e in result.plan.tables.values() for s in e.shards
+             if e.sharding_type == ShardingType.ROW_WISE}
+    assert len(nodes) > 1
+    # and fp32 alone does not fit
+    with pytest.raises(InfeasiblePlanError, match="tightest limit"):
+        plan_tables(preset.tables, topo, PlanSettings(batch_size=512, precisions=("fp32",),
+                                                      tiers=("device", "cached_dram", "dram")), time_limit=0.5)
+
+
+def test_evaluate_plan_reproduces_the_planner_costs_and_scores_other_plans():
+    from neorec.planner.planner import evaluate_plan
+    from neorec.sharding import default_plan
+
+    tables = random_tables(6, 15)
+    topo = toy_topology(2, 2)
+    settings = PlanSettings(batch_size=128)
+    result = plan_tables(tables, topo, settings, time_limit=1.0)
+    again = evaluate_plan(result.plan, tables, topo, settings, result.tiers)
+    assert again.makespan == pytest.approx(result.makespan)
+    assert [s.cost.total for s in again.ranks()] == pytest.approx([s.cost.total for s in result.ranks()])
+    other = evaluate_plan(default_plan(table_configs(tables), 4, 2), tables, topo, settings)
+    assert other.makespan >= result.makespan * (1 - 1e-9)
+
+
+def test_relaxed_plans_keep_the_preferred_precision_where_it_fits():
+    # one big table needs fp16 to fit; the small ones keep fp32
+    topo = toy_topology(1, 2, device_gb=0.05)
+    settings = PlanSettings(batch_size=16, precisions=("fp32", "fp16"))
+    tables = [TableSpec("big", 1_000_000, 32)] + [TableSpec(f"s{i}", 1000, 64) for i in range(4)]
+    result = plan_tables(tables, topo, settings)
+    assert result.plan.tables["big"].precision == "fp16"
+    assert {result.plan.tables[f"s{i}"].precision for i in range(4)} == {"fp32"}
+    result.plan.validate(table_configs(tables), 2)
