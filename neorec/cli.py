@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--plan", metavar="FILE.json",
                        help="sharding plan for multi-process training (default: a balanced table-wise / "
                        "row-wise plan)")
+    train.add_argument("--resume", metavar="DIR",
+                       help="continue from the newest complete checkpoint in DIR (a checkpoint.dir, or one "
+                       "step-N directory in it), data position included; any world size or plan. Save "
+                       "checkpoints with --set checkpoint.dir='\"DIR\"' --set checkpoint.every_steps=N")
 
     config = sub.add_parser(
         "config", help="print the resolved config as JSON (defaults + --config + --set)",
@@ -127,7 +131,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, resume=args.resume)
     _print_header(cfg, trainer)
     _print_result(trainer.fit())
     return 0
@@ -145,7 +149,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
                          f"ranks; make a plan for {world} ranks ({args.plan})")
     context = DistributedContext.from_env(cfg.train.device)
     try:
-        result = _fit_distributed(cfg, context, plan)  # the model is gone before the groups close
+        result = _fit_distributed(cfg, context, plan, args.resume)  # the model is gone before the groups close
         if context.is_main:
             _print_result(result)
     finally:
@@ -153,10 +157,10 @@ def _train_distributed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_distributed(cfg, context, plan):
+def _fit_distributed(cfg, context, plan, resume=None):
     from neorec.train.trainer import Trainer
 
-    trainer = Trainer(cfg, distributed=context, plan=plan)
+    trainer = Trainer(cfg, distributed=context, plan=plan, resume=resume)
     if context.is_main:
         _print_header(cfg, trainer)
         kinds: dict = {}
