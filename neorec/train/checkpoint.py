@@ -319,7 +319,10 @@ class Checkpointer:
                 self.tbe.track_modified_rows()  # clears the marks: the restored rows are the checkpoint's
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
         trainer.step = int(manifest["step"])
-        self.chain = list(manifest["chain"]) if self.root is not None and path.parent == self.root else []
+        same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
+        self.chain = list(manifest["chain"]) if same_root else []  # increments continue this chain
+        self.increment_bytes = float(sum(_read_manifest(path.parent / name)["bytes"]["embeddings"]
+                                         for name in self.chain[1:])) if same_root else 0.0
         self.last_saved_step = trainer.step
         batch = samples_in_epoch // global_batch
         self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "
