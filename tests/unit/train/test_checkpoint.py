@@ -212,3 +212,17 @@ def test_modified_row_tracking():
     tbe(kjt).values.sum().backward()
     changed = (tbe.get_table_weight("a") != before).any(1).nonzero().squeeze(1)
     assert tbe.take_modified_rows("a").tolist() == changed.tolist() == [3, 9]
+
+
+def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2)).fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="restarted")
+    assert restarted.fit().samples == 2 * 128 and restarted.step == 6
+    assert "resumed from" in restarted.out.getvalue()
+    off = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.auto_resume=false"),
+                       name="off")
+    assert off.fit().samples == 2 * 128  # starts fresh
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    fresh = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2), name="fresh")
+    assert fresh.fit().samples == 2 * 128 and "resumed" not in fresh.out.getvalue()
