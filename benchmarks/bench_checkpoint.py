@@ -7,6 +7,7 @@ Run (from the repository root, venv active; a few minutes on 2 cores):
 
     python benchmarks/bench_checkpoint.py --out benchmarks/results/bench_checkpoint.json
     python benchmarks/bench_checkpoint.py --quick          # smoke run
+    python benchmarks/bench_checkpoint.py --tracking-only --repeats 15   # step time, tracking off / on
 
 Modes (every run trains the same deterministic model; only the checkpoints differ):
   full        every checkpoint writes all rows (fp32)
@@ -126,6 +127,27 @@ def tracking_overhead(args) -> Dict:
             "tables": "8 x 100000 x 64, rowwise_adagrad, batch 2048, pooling 20, Zipf 1.05"}
 
 
+def bytes_and_ne(args, intervals: List[int], tmp: Path, results: Dict) -> None:
+    print(f"{'interval':>8} {'mode':>8} {'ckpts':>5} {'fulls':>5} {'write MB':>9} {'x less':>7} "
+          f"{'capacity MB':>11} {'x less':>7}")
+    for interval in intervals:
+        full = None
+        for mode in MODES:
+            row = run_mode(args, mode, interval, tmp / f"{mode}-{interval}")
+            full = full or row
+            row["write_reduction"] = full["write_bytes"] / row["write_bytes"]
+            row["capacity_reduction"] = full["capacity_bytes"] / row["capacity_bytes"]
+            results["bytes"].append(row)
+            print(f"{interval:>8} {mode:>8} {row['checkpoints']:>5} {row['full_checkpoints']:>5} "
+                  f"{row['write_bytes'] / 1e6:>9.2f} {row['write_reduction']:>7.1f} "
+                  f"{row['capacity_bytes'] / 1e6:>11.2f} {row['capacity_reduction']:>7.1f}", flush=True)
+    print(f"\n{'row bits':>8} {'NE at restore':>13} {'AUC':>7} {'NE after ' + str(args.after) + ' steps':>18}")
+    for row in quantized_ne(args, tmp / "ne"):
+        results["quantized_ne"].append(row)
+        print(f"{row['row_bits']:>8} {row['ne_at_restore']:>13.5f} {row['auc_at_restore']:>7.4f} "
+              f"{row['ne_after_more_steps']:>18.5f}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="training steps per run")
@@ -137,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="alternating rounds of the tracking timing")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     parser.add_argument("--quick", action="store_true", help="small run (smoke test)")
+    parser.add_argument("--tracking-only", action="store_true", help="only the modified-row tracking timing")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -144,25 +167,9 @@ def main(argv=None) -> int:
     intervals = [int(x) for x in args.intervals.split(",")]
     results: Dict = {"machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
                      "args": vars(args), "bytes": [], "quantized_ne": [], "tracking": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"{'interval':>8} {'mode':>8} {'ckpts':>5} {'fulls':>5} {'write MB':>9} {'x less':>7} "
-              f"{'capacity MB':>11} {'x less':>7}")
-        for interval in intervals:
-            full = None
-            for mode in MODES:
-                row = run_mode(args, mode, interval, Path(tmp) / f"{mode}-{interval}")
-                full = full or row
-                row["write_reduction"] = full["write_bytes"] / row["write_bytes"]
-                row["capacity_reduction"] = full["capacity_bytes"] / row["capacity_bytes"]
-                results["bytes"].append(row)
-                print(f"{interval:>8} {mode:>8} {row['checkpoints']:>5} {row['full_checkpoints']:>5} "
-                      f"{row['write_bytes'] / 1e6:>9.2f} {row['write_reduction']:>7.1f} "
-                      f"{row['capacity_bytes'] / 1e6:>11.2f} {row['capacity_reduction']:>7.1f}", flush=True)
-        print(f"\n{'row bits':>8} {'NE at restore':>13} {'AUC':>7} {'NE after ' + str(args.after) + ' steps':>18}")
-        for row in quantized_ne(args, Path(tmp) / "ne"):
-            results["quantized_ne"].append(row)
-            print(f"{row['row_bits']:>8} {row['ne_at_restore']:>13.5f} {row['auc_at_restore']:>7.4f} "
-                  f"{row['ne_after_more_steps']:>18.5f}", flush=True)
+    if not args.tracking_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            bytes_and_ne(args, intervals, Path(tmp), results)
     tracking = tracking_overhead(args)
     results["tracking"] = tracking
     print(f"\nmodified-row tracking: step {tracking['step_ms_off']:.2f} ms off, {tracking['step_ms_on']:.2f} ms on "
