@@ -1,4 +1,4 @@
-"""Rank programs of tests/distributed/test_checkpoint.py (importable by spawned processes)."""
+"""Rank programs of tests/distributed/test_sharded_checkpoint.py (importable by spawned processes)."""
 
 from __future__ import annotations
 

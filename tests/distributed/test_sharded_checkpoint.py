@@ -1,7 +1,7 @@
 """Sharded checkpoints: saved on 2 ranks (mixed plan), restored on 1 process and on 4 ranks with
 another plan: identical embeddings and dense weights (bit for bit) and predictions.
 
-    python -m pytest tests/distributed/test_checkpoint.py -q
+    python -m pytest tests/distributed/test_sharded_checkpoint.py -q
 """
 
 from __future__ import annotations
