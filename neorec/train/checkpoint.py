@@ -27,6 +27,7 @@ Data position: (epoch, global batches done in the epoch); the sources are determ
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -152,7 +153,7 @@ class Checkpointer:
         ``checkpoint.dir``); returns the position to continue from (zero when starting fresh)."""
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         if resume is None and self.cfg.auto_resume and restarted and self.root is not None:
-            if find_latest_complete(self.root, out=open(os.devnull, "w")) is not None:
+            if find_latest_complete(self.root, out=io.StringIO()) is not None:
                 resume = str(self.root)
             else:
                 self._say(f"restarted by torchrun, but {self.root} holds no complete checkpoint: starting fresh")
@@ -279,7 +280,7 @@ class Checkpointer:
             raise ValueError(f"--resume: {location} does not exist")
         max_step = _step_of(location) if (location / MANIFEST).exists() or _step_of(location) is not None else None
         root = location.parent if max_step is not None else location
-        found = find_latest_complete(root, out=self.trainer.out if self.rank == 0 else open(os.devnull, "w"),
+        found = find_latest_complete(root, out=self.trainer.out if self.rank == 0 else io.StringIO(),
                                      max_step=max_step)
         if found is None:
             raise ValueError(f"--resume: no complete checkpoint in {root}")

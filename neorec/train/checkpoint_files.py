@@ -53,9 +53,10 @@ def save_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> int:
 
 
 def load_tensors(path: Path) -> Dict[str, torch.Tensor]:
-    """The dict ``save_tensors`` wrote (``torch.load(weights_only=True)``, CPU tensors)."""
+    """The dict ``save_tensors`` wrote (``torch.load(weights_only=True)``, CPU tensors memory-mapped
+    from the file: only what is used is read)."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # a torn or foreign file: zip or unpickler errors of many kinds
         raise ValueError(f"checkpoint file {str(path)!r} cannot be read: {exc}") from exc
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):

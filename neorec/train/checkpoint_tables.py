@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from neorec.embedding.optimizers import STATE_LAYOUT
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.train.checkpoint_files import dequantize_rows, quantize_rows
 
@@ -69,7 +70,7 @@ def piece_bytes(tbe: TableBatchedEmbeddingBags, piece: LocalPiece, num_rows: int
     """Bytes the payload of ``num_rows`` rows of ``piece`` takes (estimate for the full/incremental policy)."""
     cols = piece.col_end - piece.col_start
     row = (cols * 4) if row_bits == 32 else ((cols * row_bits + 7) // 8 + 8)
-    state = sum(v[:1].numel() * 4 for v in tbe.get_optimizer_state(piece.local).values()) if num_rows else 0
+    state = sum(4 if layout == "row" else 4 * cols for _, layout in STATE_LAYOUT[tbe.optimizer.kind])
     return num_rows * (row + state)
 
 
@@ -94,12 +95,13 @@ def save_pieces(tbe: Optional[TableBatchedEmbeddingBags], pieces: List[LocalPiec
         if not piece.writes:
             continue
         key = f"{prefix}{index}"
-        weight = tbe.get_table_weight(piece.local)
-        state = tbe.get_optimizer_state(piece.local)
-        if incremental:
-            weight = weight.index_select(0, ids)
+        if incremental:  # gather the rows from views: no copy of the whole table
+            weight, state = _table_views(tbe, piece.local)
+            weight = weight.index_select(0, ids).to(torch.float32)
             state = {k: v.index_select(0, ids) for k, v in state.items()}
             tensors[f"{key}.ids"] = ids.cpu()
+        else:
+            weight, state = tbe.get_table_weight(piece.local), tbe.get_optimizer_state(piece.local)
         if row_bits == 32:
             tensors[f"{key}.w"] = weight
         else:
@@ -110,6 +112,14 @@ def save_pieces(tbe: Optional[TableBatchedEmbeddingBags], pieces: List[LocalPiec
                         "cols": [piece.col_start, piece.col_end], "incremental": incremental,
                         "row_bits": row_bits, "num_rows_written": int(weight.shape[0])})
     return tensors, entries
+
+
+def _table_views(tbe: TableBatchedEmbeddingBags, name: str) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Views (no copies) of table ``name``'s rows [rows, dim] and optimizer state."""
+    t = tbe._table(name)
+    group = tbe.layout.groups[tbe.layout.table_group[t]]
+    lo, rows = tbe.table_row_offset_in_group[t], tbe.table_rows[t]
+    return tbe.group_weights(group)[lo : lo + rows], {k: v[lo : lo + rows] for k, v in tbe._group_states(group).items()}
 
 
 def _source_rows(entry: dict, tensors: Dict[str, torch.Tensor], lo: int, hi: int
