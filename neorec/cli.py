@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sharding plan for multi-process training: a plan file (from `neorec plan --out`), "
                        "or 'auto' to run the cost-model planner for the live world (default: a balanced "
                        "table-wise / row-wise plan)")
+    train.add_argument("--resume", metavar="DIR",
+                       help="continue from the newest complete checkpoint in DIR (a checkpoint.dir, or one "
+                       "step-N directory in it), data position included; any world size or plan. Save "
+                       "checkpoints with --set checkpoint.dir='\"DIR\"' --set checkpoint.every_steps=N")
 
     config = sub.add_parser(
         "config", help="print the resolved config as JSON (defaults + --config + --set)",
@@ -134,7 +138,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, resume=args.resume)
     _print_header(cfg, trainer)
     _print_result(trainer.fit())
     return 0
@@ -152,7 +156,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
                          f"ranks; make a plan for {world} ranks ({args.plan})")
     context = DistributedContext.from_env(cfg.train.device)
     try:
-        result = _fit_distributed(cfg, context, plan)  # the model is gone before the groups close
+        result = _fit_distributed(cfg, context, plan, args.resume)  # the model is gone before the groups close
         if context.is_main:
             _print_result(result)
     finally:
@@ -160,7 +164,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_distributed(cfg, context, plan):
+def _fit_distributed(cfg, context, plan, resume=None):
     from neorec.train.trainer import Trainer
 
     source = None
@@ -170,7 +174,7 @@ def _fit_distributed(cfg, context, plan):
 
         source = make_data_source(cfg.data)
         plan = plan_for_training(cfg, source, context.world_size, context.local_world_size)
-    trainer = Trainer(cfg, source=source, distributed=context, plan=plan)
+    trainer = Trainer(cfg, source=source, distributed=context, plan=plan, resume=resume)
     if context.is_main:
         _print_header(cfg, trainer)
         kinds: dict = {}

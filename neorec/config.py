@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from neorec.data.config import DataConfig
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig
 from neorec.embedding.locations import LocationConfig
+from neorec.train.checkpoint_config import CheckpointConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -135,13 +136,15 @@ class TrainConfig:
 @dataclass
 class Config:
     """The whole run; TOML tables [model], [embedding.optimizer], [embedding.storage],
-    [dense_optimizer], [data], [data.synthetic], [data.criteo], [data.movielens], [train]."""
+    [dense_optimizer], [data], [data.synthetic], [data.criteo], [data.movielens], [train],
+    [checkpoint] (``neorec/train/checkpoint_config.py``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -144,6 +144,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.kernel = kernel
         self._triton = TritonPath(self)
         self._kernel_by_device: Dict[str, bool] = {}
+        # [num_rows] bool, layout row order: rows updated since the last take_modified_rows()
+        # (Check-N-Run incremental checkpoints); None = not tracking (no cost)
+        self.modified_rows: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------------------ layout helpers
     @property
@@ -202,6 +205,43 @@ class TableBatchedEmbeddingBags(nn.Module):
         views = self._group_states(group)
         lo = self.table_row_offset_in_group[t]
         return {k: v[lo : lo + self.table_rows[t]].clone() for k, v in views.items()}
+
+    def set_optimizer_state(self, name: str, state: Dict[str, torch.Tensor]) -> None:
+        """Overwrite table ``name``'s optimizer state; ``state`` as ``get_optimizer_state`` returns."""
+        t = self._table(name)
+        group = self.layout.groups[self.layout.table_group[t]]
+        views = self._group_states(group)
+        if set(state) != set(views):
+            raise ValueError(f"set_optimizer_state({name!r}): expected state {sorted(views)}, got {sorted(state)}")
+        lo = self.table_row_offset_in_group[t]
+        with torch.no_grad():
+            for key, view in views.items():
+                target = view[lo : lo + self.table_rows[t]]
+                if tuple(state[key].shape) != tuple(target.shape):
+                    raise ValueError(f"set_optimizer_state({name!r}): {key} must have shape {tuple(target.shape)}, "
+                                     f"got {tuple(state[key].shape)}")
+                target.copy_(state[key])
+
+    # ------------------------------------------------------------------------------ modified rows
+    def track_modified_rows(self, enabled: bool = True) -> None:
+        """Start (or stop) marking the rows every optimizer step updates (cleared now)."""
+        self.modified_rows = torch.zeros(self.layout.num_rows, dtype=torch.bool, device=self.weights.device) \
+            if enabled else None
+
+    def take_modified_rows(self, name: str) -> torch.Tensor:
+        """[K] int64 ascending rows of table ``name`` updated since tracking started or since this
+        table's last take (its marks are cleared)."""
+        if self.modified_rows is None:
+            raise ValueError("take_modified_rows: call track_modified_rows() first")
+        t = self._table(name)
+        marks = self.modified_rows[self.table_row_offsets[t] : self.table_row_offsets[t] + self.table_rows[t]]
+        rows = marks.nonzero().squeeze(1)
+        marks.zero_()
+        return rows
+
+    def _mark_modified(self, group: DimGroup, rows: torch.Tensor) -> None:
+        if self.modified_rows is not None:
+            self.modified_rows[group.row_start + rows] = True
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -309,10 +349,14 @@ class TableBatchedEmbeddingBags(nn.Module):
                 )  # [last - first, dim]
                 self._consume(group, lookup.unique[first:last], row_grad, step)
         if self._replicas is not None:
-            self._replicas.reduce_and_apply(
-                lambda group, rows, grad: update_rows(self.optimizer, self.group_weights(group),
-                                                      self._group_states(group), rows, grad, step, self._rounder),
-                self.weights.device)
+            self._replicas.reduce_and_apply(self._update_replica_rows(step), self.weights.device)
+
+    def _update_replica_rows(self, step: int) -> Callable[[DimGroup, torch.Tensor, torch.Tensor], None]:
+        def update(group: DimGroup, rows: torch.Tensor, grad: torch.Tensor) -> None:
+            update_rows(self.optimizer, self.group_weights(group), self._group_states(group), rows, grad, step,
+                        self._rounder)
+            self._mark_modified(group, rows)
+        return update
 
     def _consume(self, group: DimGroup, rows: torch.Tensor, row_grad: torch.Tensor, step: int) -> None:
         if self.dense_gradient:
@@ -325,6 +369,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 return
             rows, row_grad = rest
         update_rows(self.optimizer, self.group_weights(group), self._group_states(group), rows, row_grad, step, self._rounder)
+        self._mark_modified(group, rows)
 
     @torch.no_grad()
     def apply_dense_gradients(self) -> None:
@@ -344,6 +389,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 chunk_rows = rows[first : first + chunk]
                 update_rows(self.optimizer, self.group_weights(group), self._group_states(group),
                             chunk_rows, view.index_select(0, chunk_rows), step, self._rounder)
+                self._mark_modified(group, chunk_rows)
         self.dense_grad.zero_()
 
     def extra_repr(self) -> str:

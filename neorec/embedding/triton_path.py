@@ -143,3 +143,9 @@ class TritonPath:
             weight_decay=opt.weight_decay, seed=seed,
             stochastic_rounding=m.storage.stochastic_rounding, check_ids=False,
         )
+        if m.modified_rows is not None and values.numel():
+            # offsets are key-major over batch_size bags per feature: feature f's values are
+            # offsets[f * B] .. offsets[(f + 1) * B]
+            per_feature = offsets[::batch_size].diff()
+            first_row = torch.tensor([m.table_row_offsets[t] for t in m.layout.feature_tables], device=values.device)
+            m.modified_rows[values + torch.repeat_interleave(first_row, per_feature, output_size=values.numel())] = True

@@ -142,6 +142,7 @@ class Trainer:
         distributed: Optional[DistributedContext] = None,
         plan=None,
         comm_stats=None,
+        resume: Optional[str] = None,
     ) -> None:
         self.cfg = cfg
         self.out = out if out is not None else sys.stdout
@@ -164,6 +165,11 @@ class Trainer:
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.step = 0
         self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
+        self.resume = resume  # a checkpoint (root) to continue from: neorec/train/checkpoint.py
+        self.checkpointer = None
+        if cfg.checkpoint.dir or resume is not None:
+            from neorec.train.checkpoint import Checkpointer
+            self.checkpointer = Checkpointer(cfg.checkpoint, self)
 
     def _distribute(self, plan, comm_stats) -> None:
         from neorec.sharding import default_plan, shard
@@ -231,9 +237,11 @@ class Trainer:
             bar.write(_format_eval(self.step, metrics), file=self.out)
         return time.perf_counter() - t0
 
-    def _train_batches(self, epoch: int) -> Iterator[Tuple[Batch, int]]:
-        """(this rank's batch, global batch size) for every global batch of the epoch."""
-        batches = self.source.train_batches(self.cfg.data.batch_size * self.world_size, epoch=epoch)
+    def _train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Tuple[Batch, int]]:
+        """(this rank's batch, global batch size) for every global batch of the epoch from
+        ``start_batch`` on."""
+        batches = self.source.train_batches(self.cfg.data.batch_size * self.world_size, epoch=epoch,
+                                            start_batch=start_batch)
         for batch in batches:
             if self.distributed is None:
                 yield batch, batch.batch_size
@@ -261,14 +269,23 @@ class Trainer:
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
         start = time.perf_counter()
         try:
-            epoch, stop = 0, False
+            epoch, batch_in_epoch = 0, 0
+            if self.checkpointer is not None:
+                position = self.checkpointer.start(self.resume, steps_per_epoch)
+                epoch, batch_in_epoch = position.epoch, position.batch_in_epoch
+                bar.update(self.step)
+            stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
-                with PrefetchLoader(self._train_batches(epoch), depth=self.cfg.data.prefetch_batches) as loader:
+                with PrefetchLoader(self._train_batches(epoch, batch_in_epoch),
+                                    depth=self.cfg.data.prefetch_batches) as loader:
                     prefetching = self.cfg.embedding.location.prefetch
                     for batch, size in with_prefetch(loader, self.model, lambda item: item[0].sparse) \
                             if prefetching else loader:
                         loss = self.train_step(batch.to(self.device), size)
                         samples += size
+                        batch_in_epoch += 1
+                        if self.checkpointer is not None:
+                            self.checkpointer.after_step(epoch, batch_in_epoch)
                         window["samples"] += size
                         window["loss"] += loss
                         window["steps"] += 1
@@ -281,13 +298,15 @@ class Trainer:
                         if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0:
                             eval_seconds += self._eval_and_log(log, bar, epoch)
                             window["start"] = time.perf_counter()
-                if samples == 0:
+                if self.step == 0:
                     raise ValueError("the training data yielded no batches")
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
                 if not stop and not cfg.eval_every_steps and not last_epoch:
                     eval_seconds += self._eval_and_log(log, bar, epoch)
                     window["start"] = time.perf_counter()
-                epoch += 1
+                epoch, batch_in_epoch = epoch + 1, 0
+            if self.checkpointer is not None:
+                self.checkpointer.finish()
             train_seconds = time.perf_counter() - start - eval_seconds
             bar.close()
             final_eval = self.evaluate()

@@ -1,0 +1,386 @@
+"""Sharded, reshardable, crash-safe, incremental and quantized checkpoints (Check-N-Run) for the
+``Trainer``. Turned on by the ``[checkpoint]`` config section; resume with
+``neorec train --resume DIR`` (DIR: a checkpoint root or one ``step-<N>`` directory), or
+automatically when ``torchrun --max-restarts`` restarts a worker.
+
+    neorec train --config configs/tiny.toml --set checkpoint.dir='"runs/ckpt"' --set checkpoint.every_steps=20
+    neorec train --config configs/tiny.toml --resume runs/ckpt
+
+One checkpoint = ``<dir>/step-<N>/``:
+    rank<r>.pt    this rank's embedding pieces (``checkpoint_tables.py``) and its stochastic-rounding
+                  generator state; flat dict of tensors (``torch.load(weights_only=True)``)
+    dense.pt      (rank 0) dense weights, dense optimizer tensors, the torch CPU generator state
+    manifest.json (rank 0, written LAST, atomically) step, data position, tables, plan, config,
+                  pieces per file, sha256 and size of every file, the chain of checkpoints to apply
+A checkpoint is complete when its manifest, every file of it and every checkpoint of its chain
+verify. Restoring takes the newest complete one; a newer torn or corrupt one is reported and skipped.
+
+Incremental (``checkpoint.incremental``): the fused modules mark the rows every optimizer step
+updates; an incremental checkpoint writes only the rows marked since the previous checkpoint
+(plus all dense state); its chain is the last full checkpoint, then every increment since. A full
+checkpoint is taken instead when the increments since the last full one would exceed
+``full_when_fraction_exceeds`` of a full one's embedding bytes.
+
+Data position: (epoch, global batches done in the epoch); the sources are deterministic per
+(epoch, batch), so a resumed run skips exactly the batches already trained.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from neorec.train.checkpoint_config import CheckpointConfig
+from neorec.train.checkpoint_files import load_tensors, save_tensors, sha256_file, write_atomic
+from neorec.train.checkpoint_tables import count_modified, model_pieces, piece_bytes, restore_pieces, save_pieces
+
+FORMAT = "neorec-checkpoint-1"
+MANIFEST = "manifest.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def _step_of(path: Path) -> Optional[int]:
+    name = path.name
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST
+    if not file.is_file():
+        raise ValueError("no manifest.json (the checkpoint was not completed)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"manifest.json is not a {FORMAT} manifest")
+    return manifest
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The manifest of the checkpoint at ``path`` after checking it and every checkpoint of its
+    chain (every file present, same size, same sha256); ValueError saying what is wrong."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name in manifest["chain"]:
+        directory = path.parent / name
+        part = manifest if name == path.name else _read_manifest(directory)
+        for file, info in part["files"].items():
+            target = directory / file
+            if not target.is_file():
+                raise ValueError(f"{name}/{file} is missing")
+            if target.stat().st_size != info["bytes"]:
+                raise ValueError(f"{name}/{file} has {target.stat().st_size} bytes, the manifest says "
+                                 f"{info['bytes']} (truncated or torn)")
+            if sha256_file(target) != info["sha256"]:
+                raise ValueError(f"{name}/{file} fails its sha256 checksum (corrupt)")
+    return manifest
+
+
+def find_latest_complete(root: Path, out=None, max_step: Optional[int] = None) -> Optional[Tuple[Path, dict]]:
+    """(path, manifest) of the newest complete checkpoint under ``root`` (at most ``max_step``);
+    every newer incomplete or corrupt one is reported on ``out`` and skipped. None if none."""
+    root = Path(root)
+    out = out if out is not None else sys.stderr
+    candidates = sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None),
+                        key=_step_of, reverse=True) if root.is_dir() else []
+    for path in candidates:
+        if max_step is not None and _step_of(path) > max_step:
+            continue
+        try:
+            return path, verify_checkpoint(path)
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            print(f"checkpoint: {path} is incomplete or corrupt ({exc}); using the previous complete one",
+                  file=out, flush=True)
+    return None
+
+
+@dataclass
+class Position:
+    """Where training is: ``batch_in_epoch`` global batches of ``epoch`` are done."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+class Checkpointer:
+    """Saves and restores a ``Trainer``'s complete state; see the module docstring."""
+
+    def __init__(self, cfg: CheckpointConfig, trainer) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        context = trainer.distributed
+        self.rank = context.rank if context is not None else 0
+        self.world_size = context.world_size if context is not None else 1
+        self.group = context.dense_group if context is not None else None
+        self.root = Path(cfg.dir) if cfg.dir else None
+        self.tbe, self.pieces = model_pieces(_unwrap(trainer.model).sparse_arch, self.rank)
+        if cfg.incremental and self.tbe is not None:
+            self.tbe.track_modified_rows()
+        self.chain: List[str] = []
+        self.full_bytes = 0.0
+        self.increment_bytes = 0.0
+        self.last_saved_step: Optional[int] = None
+        self.position = Position()
+        self.bytes_written: List[dict] = []  # one record per save (kind, bytes) for benchmarks
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"checkpoint: {text}", file=self.trainer.out, flush=True)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------------------ trainer hooks
+    def start(self, resume: Optional[str], steps_per_epoch: int) -> Position:
+        """Restore from ``resume`` (or, under a torchrun restart with ``auto_resume``, from
+        ``checkpoint.dir``); returns the position to continue from (zero when starting fresh)."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        if resume is None and self.cfg.auto_resume and restarted and self.root is not None:
+            if find_latest_complete(self.root, out=io.StringIO()) is not None:
+                resume = str(self.root)
+            else:
+                self._say(f"restarted by torchrun, but {self.root} holds no complete checkpoint: starting fresh")
+        if resume is None:
+            return Position()
+        position = self.restore(Path(resume))
+        if position.batch_in_epoch >= steps_per_epoch:
+            position = Position(position.step, position.epoch + 1, 0)
+        self.position = position
+        return position
+
+    def after_step(self, epoch: int, batch_in_epoch: int) -> None:
+        """Called after every training step; saves every ``every_steps`` steps."""
+        self.position = Position(self.trainer.step, epoch, batch_in_epoch)
+        if self.root is not None and self.cfg.every_steps and self.trainer.step % self.cfg.every_steps == 0:
+            self.save()
+
+    def finish(self) -> None:
+        """Called when training ends: the final checkpoint (``save_final``)."""
+        if self.root is not None and self.cfg.save_final and self.last_saved_step != self.trainer.step:
+            self.save()
+
+    # ------------------------------------------------------------------------------ save
+    def _choose_kind(self) -> str:
+        if not self.cfg.incremental or not self.chain:
+            return "full"
+        full = incremental = 0.0
+        if self.tbe is not None:
+            for piece in self.pieces:
+                if piece.writes:
+                    rows = piece.row_end - piece.row_start
+                    full += piece_bytes(self.tbe, piece, rows, self.cfg.row_bits)
+                    incremental += piece_bytes(self.tbe, piece, count_modified(self.tbe, piece), self.cfg.row_bits)
+        if self.world_size > 1:
+            totals = torch.tensor([full, incremental], dtype=torch.float64)
+            dist.all_reduce(totals, group=self.group)
+            full, incremental = totals.tolist()
+        if self.increment_bytes + incremental > self.cfg.full_when_fraction_exceeds * full:
+            return "full"
+        return "incremental"
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current state (every rank calls it at the same step)."""
+        trainer, step = self.trainer, self.trainer.step
+        kind = self._choose_kind()
+        path = self.root / checkpoint_name(step)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0 and (path / MANIFEST).exists():
+            (path / MANIFEST).unlink()  # rewriting this step: it is incomplete until the new manifest
+        tensors, entries = save_pieces(self.tbe, self.pieces, kind == "incremental", self.cfg.row_bits, "p")
+        if self.tbe is not None and self.tbe._rounder.stochastic:
+            tensors["rng.rounding"] = self.tbe._rounder.get_state().cpu()
+        file = f"rank{self.rank}.pt"
+        size = save_tensors(path / file, tensors)
+        meta = {"file": file, "bytes": size, "sha256": sha256_file(path / file), "entries": entries,
+                "sparse_step": int(self.tbe.step) if self.tbe is not None else None}
+        write_atomic(path / f"rank{self.rank}.json", json.dumps(meta).encode())
+        if self.rank == 0:
+            dense, optimizer_json = _dense_state(trainer)
+            dense_size = save_tensors(path / "dense.pt", dense)
+        self._barrier()
+        if self.rank == 0:
+            metas = [json.loads((path / f"rank{r}.json").read_text()) for r in range(self.world_size)]
+            files = {m["file"]: {"bytes": m["bytes"], "sha256": m["sha256"]} for m in metas}
+            files["dense.pt"] = {"bytes": dense_size, "sha256": sha256_file(path / "dense.pt")}
+            chain = [checkpoint_name(step)] if kind == "full" else self.chain + [checkpoint_name(step)]
+            embedding_bytes = sum(m["bytes"] for m in metas)
+            manifest = {
+                "format": FORMAT, "step": step, "kind": kind, "chain": chain,
+                "epoch": self.position.epoch, "batch_in_epoch": self.position.batch_in_epoch,
+                "global_batch_size": trainer.cfg.data.batch_size * self.world_size,
+                "world_size": self.world_size, "row_bits": self.cfg.row_bits,
+                "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
+                "tables": _table_shapes(trainer),
+                "sparse_optimizer": trainer.cfg.embedding.optimizer.kind,
+                "sparse_step": max((m["sparse_step"] for m in metas if m["sparse_step"] is not None), default=0),
+                "pieces": {m["file"]: m["entries"] for m in metas},
+                "dense_optimizer": optimizer_json, "files": files,
+                "bytes": {"embeddings": embedding_bytes, "dense": dense_size},
+                "config": trainer.cfg.to_dict(),
+            }
+            write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+            self._prune(step)
+        self._barrier()
+        total = self._embedding_bytes(path)
+        if kind == "full":
+            self.chain, self.full_bytes, self.increment_bytes = [checkpoint_name(step)], total, 0.0
+        else:
+            self.chain.append(checkpoint_name(step))
+            self.increment_bytes += total
+        self.last_saved_step = step
+        self.bytes_written.append({"step": step, "kind": kind, "embedding_bytes": total,
+                                   "total_bytes": sum(f.stat().st_size for f in path.glob("*.pt"))})
+        self._say(f"saved {kind} checkpoint {path} ({total:,} bytes of embeddings)")
+        return path
+
+    def _embedding_bytes(self, path: Path) -> int:
+        return sum((path / f"rank{r}.pt").stat().st_size for r in range(self.world_size))
+
+    def _prune(self, step: int) -> None:
+        """Rank 0: drop complete checkpoints beyond ``keep_last`` (not the ones a kept chain
+        needs) and incomplete ones older than ``step``."""
+        complete, keep = [], set()
+        for path in self.root.iterdir():
+            if path.is_dir() and _step_of(path) is not None:
+                try:
+                    complete.append((_step_of(path), path, _read_manifest(path)))
+                except ValueError:
+                    if _step_of(path) < step:
+                        shutil.rmtree(path, ignore_errors=True)
+        complete.sort(key=lambda item: item[0], reverse=True)
+        for _, _, manifest in complete[: self.cfg.keep_last]:
+            keep.update(manifest["chain"])
+        for _, path, _ in complete:
+            if path.name not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------ restore
+    def restore(self, location: Path) -> Position:
+        """Load the newest complete checkpoint at ``location`` (a root, or one checkpoint: the
+        newest complete one up to it is used) into the trainer; returns its position."""
+        location = Path(location)
+        if not location.exists():
+            raise ValueError(f"--resume: {location} does not exist")
+        max_step = _step_of(location) if (location / MANIFEST).exists() or _step_of(location) is not None else None
+        root = location.parent if max_step is not None else location
+        found = find_latest_complete(root, out=self.trainer.out if self.rank == 0 else io.StringIO(),
+                                     max_step=max_step)
+        if found is None:
+            raise ValueError(f"--resume: no complete checkpoint in {root}")
+        path, manifest = found
+        trainer = self.trainer
+        _check_compatible(manifest, trainer, path)
+        samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
+        global_batch = trainer.cfg.data.batch_size * self.world_size
+        if samples_in_epoch % global_batch:
+            raise ValueError(f"resume from {path}: {samples_in_epoch} samples of epoch {manifest['epoch']} were "
+                             f"trained with global batches of {manifest['global_batch_size']}; that is not a whole "
+                             f"number of the new global batches of {global_batch} (data.batch_size x ranks)")
+        chain = []
+        cache: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
+        for name in manifest["chain"]:
+            part = manifest if name == path.name else _read_manifest(path.parent / name)
+            entries = [dict(e, file=f, checkpoint=name) for f, es in part["pieces"].items() for e in es]
+
+            def tensors_of(entry: dict) -> Dict[str, torch.Tensor]:
+                key = (entry["checkpoint"], entry["file"])
+                if key not in cache:
+                    cache[key] = load_tensors(path.parent / key[0] / key[1])
+                return cache[key]
+            chain.append((entries, tensors_of))
+        restore_pieces(self.tbe, self.pieces, chain)
+        if self.tbe is not None:
+            self.tbe.step.fill_(int(manifest["sparse_step"]))
+            if self.tbe._rounder.stochastic:
+                same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
+                    trainer.plan.to_dict() if trainer.plan is not None else None)
+                if same_layout:
+                    saved = load_tensors(path / f"rank{self.rank}.pt")
+                    self.tbe._rounder.set_state(saved["rng.rounding"])
+                else:
+                    self._say("stochastic-rounding generators restart from their seed (another world size or plan)")
+            if self.cfg.incremental:
+                self.tbe.track_modified_rows()  # clears the marks: the restored rows are the checkpoint's
+        _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
+        trainer.step = int(manifest["step"])
+        same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
+        self.chain = list(manifest["chain"]) if same_root else []  # increments continue this chain
+        self.increment_bytes = float(sum(_read_manifest(path.parent / name)["bytes"]["embeddings"]
+                                         for name in self.chain[1:])) if same_root else 0.0
+        self.last_saved_step = trainer.step
+        batch = samples_in_epoch // global_batch
+        self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "
+                  f"batch {batch} of the epoch)")
+        return Position(trainer.step, int(manifest["epoch"]), batch)
+
+
+def _unwrap(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _table_shapes(trainer) -> Dict[str, List[int]]:
+    tables = trainer.source.tables(trainer.cfg.model.embedding_dim, trainer.cfg.model.pooling)
+    return {t.name: [t.num_embeddings, t.embedding_dim] for t in tables}
+
+
+def _check_compatible(manifest: dict, trainer, path: Path) -> None:
+    saved, current = manifest["tables"], _table_shapes(trainer)
+    if saved != current:
+        diff = sorted(n for n in set(saved) | set(current) if saved.get(n) != current.get(n))
+        raise ValueError(f"resume from {path}: the model's tables differ from the checkpoint's: {diff} "
+                         f"(checkpoint {[saved.get(n) for n in diff]}, model {[current.get(n) for n in diff]})")
+    if manifest["sparse_optimizer"] != trainer.cfg.embedding.optimizer.kind:
+        raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
+                         f"the config {trainer.cfg.embedding.optimizer.kind!r}")
+
+
+def _dense_state(trainer) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """Tensors of the dense weights (``model.<name>``), the dense optimizer state
+    (``optimizer.<param>.<name>``) and the torch CPU generator; the optimizer's plain data as JSON."""
+    model = _unwrap(trainer.model)
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items() if not k.startswith("sparse_arch.")}
+    state = trainer.dense_optimizer.state_dict()
+    scalars: Dict[str, Dict[str, object]] = {}
+    for param, values in state["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{param}.{name}"] = value
+            else:
+                scalars.setdefault(str(param), {})[name] = value
+    tensors["rng.torch"] = torch.get_rng_state()
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _load_dense_state(trainer, tensors: Dict[str, torch.Tensor], optimizer_json: dict) -> None:
+    model = _unwrap(trainer.model)
+    weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith("sparse_arch.")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint dense weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    state: Dict[int, Dict[str, object]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, param, name = key.split(".", 2)
+            state.setdefault(int(param), {})[name] = value
+    for param, values in optimizer_json["scalars"].items():
+        state.setdefault(int(param), {}).update(values)
+    trainer.dense_optimizer.load_state_dict({"state": state, "param_groups": optimizer_json["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])

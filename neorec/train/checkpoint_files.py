@@ -1,0 +1,120 @@
+"""Checkpoint files: atomic writes, checksums, tensor files read without unpickling, and per-row
+quantization of embedding rows (Check-N-Run).
+
+- ``write_atomic(path, data)``: temp file in the same directory, fsync, rename, fsync the
+  directory: a crash leaves either the old file or the new one, never a torn one under ``path``.
+- ``save_tensors(path, tensors)``: a flat ``{name: tensor}`` dict written with ``torch.save`` (to
+  memory, then atomically); ``load_tensors`` reads it back with ``torch.load(weights_only=True)``
+  (no arbitrary objects are unpickled) and returns the dict.
+- ``sha256_file(path)``: hex digest, read in 1 MiB blocks.
+- ``quantize_rows(x, bits)`` / ``dequantize_rows``: per-row asymmetric min/max quantization of
+  x [R, C] fp32 to ``bits`` in {8, 4, 2}: ``scale = (max - min) / (2^bits - 1)``,
+  ``q = round((x - min) / scale)``; 4- and 2-bit codes are packed 2 and 4 per byte. Stored:
+  codes uint8 [R, ceil(C * bits / 8)], ``scale`` and ``minimum`` fp32 [R]. The reconstruction
+  error of an element is at most ``scale / 2``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Dict, Tuple
+
+import torch
+
+ROW_BITS = (32, 8, 4, 2)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync of the directory)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> int:
+    """Write a flat ``{name: tensor}`` dict atomically; returns the bytes written."""
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, buffer)
+    data = buffer.getvalue()
+    write_atomic(path, data)
+    return len(data)
+
+
+def load_tensors(path: Path) -> Dict[str, torch.Tensor]:
+    """The dict ``save_tensors`` wrote (``torch.load(weights_only=True)``, CPU tensors memory-mapped
+    from the file: only what is used is read)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # a torn or foreign file: zip or unpickler errors of many kinds
+        raise ValueError(f"checkpoint file {str(path)!r} cannot be read: {exc}") from exc
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise ValueError(f"checkpoint file {str(path)!r} does not hold a flat dict of tensors")
+    return data
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_row_bits(bits: int, where: str = "checkpoint.row_bits") -> None:
+    if bits not in ROW_BITS:
+        raise ValueError(f"{where} must be one of {ROW_BITS} (32 = no quantization), got {bits!r}")
+
+
+def quantize_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (codes uint8 [R, ceil(C * bits / 8)], scale fp32 [R], minimum fp32 [R])."""
+    check_row_bits(bits)
+    if bits == 32:
+        raise ValueError("quantize_rows: bits = 32 means no quantization")
+    x = x.to(torch.float32)
+    rows, cols = x.shape
+    levels = (1 << bits) - 1
+    if cols == 0 or rows == 0:
+        minimum = torch.zeros(rows)
+        scale = torch.zeros(rows)
+        codes = torch.zeros(rows, cols, dtype=torch.uint8)
+    else:
+        minimum = x.amin(dim=1)
+        scale = (x.amax(dim=1) - minimum) / levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((x - minimum[:, None]) / safe[:, None]).clamp_(0, levels).to(torch.uint8)
+    per_byte = 8 // bits
+    pad = (-cols) % per_byte
+    if per_byte > 1:
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(rows, pad)], dim=1)
+        codes = codes.view(rows, -1, per_byte)
+        packed = codes[:, :, 0].clone()
+        for i in range(1, per_byte):
+            packed |= codes[:, :, i] << (bits * i)
+        codes = packed
+    return codes.contiguous(), scale, minimum
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+                    cols: int) -> torch.Tensor:
+    """Inverse of ``quantize_rows``: fp32 [R, cols]."""
+    check_row_bits(bits)
+    per_byte = 8 // bits
+    rows = codes.shape[0]
+    if per_byte > 1:
+        mask = (1 << bits) - 1
+        parts = [(codes >> (bits * i)) & mask for i in range(per_byte)]
+        codes = torch.stack(parts, dim=2).view(rows, -1)[:, :cols]
+    return codes.to(torch.float32) * scale[:, None] + minimum[:, None]

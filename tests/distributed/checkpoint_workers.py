@@ -1,0 +1,50 @@
+"""Rank programs of tests/distributed/test_sharded_checkpoint.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from workers import small_config
+
+
+def snapshot(trainer, distributed: bool) -> Dict[str, torch.Tensor]:
+    """Full tables (gathered), dense weights and the logits of the first global eval batch."""
+    from neorec.train.distributed import gather_to_all, split_batch
+
+    model = trainer.model.module if distributed else trainer.model
+    out = {}
+    for table in model.sparse_arch.tables:
+        out[table.name] = (model.sparse_arch.full_table_weight(table.name) if distributed
+                           else model.sparse_arch.tbe.get_table_weight(table.name))
+    for key, value in model.state_dict().items():
+        if not key.startswith("sparse_arch"):
+            out[key] = value.clone()
+    batch = next(iter(trainer.source.eval_batches(128)))
+    model.eval()
+    with torch.no_grad():
+        if distributed:
+            context = trainer.distributed
+            part = split_batch(batch, context.rank, context.world_size)
+            out["logits"] = gather_to_all(model(part.dense, part.sparse), context.dense_group)
+        else:
+            out["logits"] = model(batch.dense, batch.sparse)
+    return out
+
+
+def train_or_resume(rank: int, world: int, group, directory: str, plan_json: str, overrides, resume) -> Dict:
+    from neorec.sharding import ShardingPlan
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    plan = ShardingPlan.from_json(plan_json) if plan_json else None
+    cfg = small_config(os.path.join(directory, f"run{world}"), 128 // world, 64, overrides)
+    trainer = Trainer(cfg, out=io.StringIO(), distributed=context, plan=plan, resume=resume)
+    trainer.fit()
+    return snapshot(trainer, True) | {"step": torch.tensor(trainer.step)}

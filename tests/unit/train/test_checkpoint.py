@@ -1,0 +1,228 @@
+"""Checkpoints on one process: save / resume equals uninterrupted training (bit for bit, fp32),
+incremental = full, quantized rows within their error bound, corrupt checkpoints detected and the
+previous complete one used, modified-row tracking of the fused module.
+
+    python -m pytest tests/unit/train/test_checkpoint.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from neorec.config import load_config
+from neorec.train.checkpoint import find_latest_complete, verify_checkpoint
+from neorec.train.checkpoint_files import dequantize_rows, load_tensors, quantize_rows
+from neorec.train.trainer import Trainer
+
+SMALL = ["data.synthetic.num_train_samples=1000", "data.synthetic.num_eval_samples=200", "data.batch_size=128",
+         "data.eval_batch_size=200", "train.epochs=2", "train.progress=false", "train.eval_every_steps=0",
+         "model.embedding_dim=4", "model.dense_layers=[8, 4]", "data.synthetic.num_embeddings=[60, 200, 400, 30]"]
+
+
+def make_trainer(tmp_path, *overrides, resume=None, name="run"):
+    cfg = load_config("configs/tiny.toml", SMALL + [f"train.output_dir='{tmp_path / name}'", *overrides])
+    return Trainer(cfg, out=io.StringIO(), resume=resume)
+
+
+def snapshot(trainer):
+    tbe = trainer.model.sparse_arch.tbe
+    out = {}
+    for table in tbe.tables:
+        out[f"{table.name}.w"] = tbe.get_table_weight(table.name)
+        for key, value in tbe.get_optimizer_state(table.name).items():
+            out[f"{table.name}.{key}"] = value
+    for key, value in trainer.model.state_dict().items():
+        if not key.startswith("sparse_arch"):
+            out[key] = value.clone()
+    for index, state in trainer.dense_optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"opt{index}.{key}"] = torch.as_tensor(value).clone()
+    out["step"] = torch.tensor(trainer.step)
+    return out
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def checkpoint_args(tmp_path, every, *extra):
+    return [f"checkpoint.dir='{tmp_path / 'ckpt'}'", f"checkpoint.every_steps={every}", *extra]
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_resume_equals_uninterrupted_training(tmp_path, optimizer):
+    # 8 batches per epoch (the last one 104 samples); stop at step 5, resume to step 12 (epoch 2)
+    kind = f"embedding.optimizer.kind='{optimizer}'"
+    reference = make_trainer(tmp_path, kind, "train.max_steps=12", name="ref")
+    reference.fit()
+    first = make_trainer(tmp_path, kind, "train.max_steps=5", *checkpoint_args(tmp_path, 5))
+    first.fit()
+    resumed = make_trainer(tmp_path, kind, "train.max_steps=12", resume=str(tmp_path / "ckpt"), name="resumed")
+    result = resumed.fit()
+    assert result.steps == 12 and result.samples == 2 * 128 + 104 + 4 * 128  # 3 more of epoch 0 (the last 104), 4 of epoch 1
+    assert_identical(snapshot(reference), snapshot(resumed))
+
+
+def test_resume_at_epoch_end_and_after_the_end(tmp_path):
+    reference = make_trainer(tmp_path, "train.max_steps=0", name="ref")  # 2 epochs = 16 steps
+    reference.fit()
+    make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 4)).fit()
+    resumed = make_trainer(tmp_path, *checkpoint_args(tmp_path, 4), resume=str(tmp_path / "ckpt"), name="resumed")
+    assert resumed.fit().samples == 1000
+    assert_identical(snapshot(reference), snapshot(resumed))
+    again = make_trainer(tmp_path, resume=str(tmp_path / "ckpt"), name="again")  # nothing left to train
+    assert again.fit().samples == 0 and again.step == 16
+
+
+def test_incremental_equals_full(tmp_path):
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
+    trainer = make_trainer(tmp_path, "train.max_steps=9", *checkpoint_args(tmp_path, 3, *extra))
+    trainer.fit()
+    kinds = [record["kind"] for record in trainer.checkpointer.bytes_written]
+    assert kinds == ["full", "incremental", "incremental"]
+    sizes = [record["embedding_bytes"] for record in trainer.checkpointer.bytes_written]
+    assert sizes[1] < sizes[0] and sizes[2] < sizes[0]
+    manifest = verify_checkpoint(tmp_path / "ckpt" / "step-000000009")
+    assert manifest["chain"] == ["step-000000003", "step-000000006", "step-000000009"]
+    restored = make_trainer(tmp_path, "train.max_steps=9", resume=str(tmp_path / "ckpt"), name="restored")
+    restored.fit()  # nothing left to train: the state is the checkpoint's
+    assert_identical(snapshot(trainer), snapshot(restored))
+    # and training on from an incremental chain equals training on without interruption
+    reference = make_trainer(tmp_path, "train.max_steps=12", name="ref")
+    reference.fit()
+    resumed = make_trainer(tmp_path, "train.max_steps=12", resume=str(tmp_path / "ckpt"), name="resumed")
+    resumed.fit()
+    assert_identical(snapshot(reference), snapshot(resumed))
+
+
+def test_full_checkpoint_when_increments_grow(tmp_path):
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=0.9", "checkpoint.keep_last=10"]
+    trainer = make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 1, *extra))
+    trainer.fit()
+    records = trainer.checkpointer.bytes_written
+    kinds = [r["kind"] for r in records]
+    assert kinds[0] == "full" and "incremental" in kinds and kinds.count("full") >= 2
+    full_bytes = records[0]["embedding_bytes"]
+    since_full = 0
+    for record in records[1:]:  # the increments since a full one stay under 0.9 of a full one (+ file overhead)
+        since_full = 0 if record["kind"] == "full" else since_full + record["embedding_bytes"]
+        assert since_full <= 0.9 * full_bytes + 4096
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_rows_error_bound(bits):
+    x = torch.randn(37, 11) * torch.linspace(0.01, 3, 37)[:, None]
+    codes, scale, minimum = quantize_rows(x, bits)
+    assert codes.dtype == torch.uint8 and codes.shape == (37, (11 * bits + 7) // 8)
+    back = dequantize_rows(codes, scale, minimum, bits, 11)
+    assert torch.all((back - x).abs() <= scale[:, None] / 2 + 1e-6)
+    assert torch.equal(back.amin(1), x.amin(1)) or torch.allclose(back.amin(1), x.amin(1))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_checkpoint_restores_within_error(tmp_path, bits):
+    trainer = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 6, f"checkpoint.row_bits={bits}"))
+    trainer.fit()
+    restored = make_trainer(tmp_path, "train.max_steps=6", resume=str(tmp_path / "ckpt"), name="restored")
+    restored.fit()
+    a, b = snapshot(trainer), snapshot(restored)
+    for key in a:
+        if key.endswith(".w"):
+            spread = (a[key].amax(1) - a[key].amin(1))[:, None]
+            assert torch.all((a[key] - b[key]).abs() <= spread / ((1 << bits) - 1) / 2 + 1e-6), key
+            assert not torch.equal(a[key], b[key])
+        else:  # optimizer state and dense weights stay exact
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_corrupt_checkpoints_are_detected_and_skipped(tmp_path):
+    make_trainer(tmp_path, "train.max_steps=9", *checkpoint_args(tmp_path, 3)).fit()
+    root = tmp_path / "ckpt"
+    newest, middle = root / "step-000000009", root / "step-000000006"
+    data = bytearray((newest / "rank0.pt").read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit
+    (newest / "rank0.pt").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        verify_checkpoint(newest)
+    dense = (middle / "dense.pt").read_bytes()
+    (middle / "dense.pt").write_bytes(dense[: len(dense) // 2])  # truncated
+    with pytest.raises(ValueError, match="truncated"):
+        verify_checkpoint(middle)
+    log = io.StringIO()
+    path, manifest = find_latest_complete(root, out=log)
+    assert path.name == "step-000000003" and manifest["step"] == 3
+    assert "step-000000009 is incomplete or corrupt" in log.getvalue()
+    assert "step-000000006 is incomplete or corrupt" in log.getvalue()
+    (root / "step-000000003" / "manifest.json").unlink()  # torn: never completed
+    assert find_latest_complete(root, out=io.StringIO()) is None
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        make_trainer(tmp_path, resume=str(root), name="resumed").fit()
+
+
+def test_resume_from_a_corrupt_increment_falls_back(tmp_path):
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
+    make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2, *extra)).fit()
+    root = tmp_path / "ckpt"
+    manifest = json.loads((root / "step-000000004" / "manifest.json").read_text())
+    assert manifest["kind"] == "incremental"
+    (root / "step-000000004" / "rank0.pt").write_bytes(b"garbage")  # breaks 4 and 6 (its chain holds 4)
+    out = io.StringIO()
+    trainer = make_trainer(tmp_path, "train.max_steps=2", resume=str(root), name="resumed")
+    trainer.out = out
+    trainer.fit()
+    assert trainer.step == 2 and "using the previous complete one" in out.getvalue()
+
+
+def test_tensor_files_are_not_unpickled(tmp_path):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps(Evil(), protocol=2))
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_tensors(path)  # torch.load(weights_only=True) refuses the global instead of calling it
+
+
+def test_modified_row_tracking():
+    from neorec.embedding.config import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+    from neorec.sparse.jagged import KeyedJaggedTensor
+
+    tables = [TableConfig("a", 10, 4, ["fa"]), TableConfig("b", 7, 8, ["fb"]), TableConfig("c", 5, 4, ["fc"])]
+    tbe = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(kind="sgd", learning_rate=0.1))
+    kjt = KeyedJaggedTensor(["fa", "fb", "fc"], torch.tensor([3, 3, 9, 0, 6, 4]), torch.tensor([2, 1, 1, 1, 1, 0]))
+    with pytest.raises(ValueError, match="track_modified_rows"):
+        tbe.take_modified_rows("a")
+    tbe.track_modified_rows()
+    tbe(kjt).values.sum().backward()
+    assert tbe.take_modified_rows("a").tolist() == [3, 9]
+    assert tbe.take_modified_rows("b").tolist() == [0, 6]
+    assert tbe.take_modified_rows("c").tolist() == [4]
+    assert tbe.take_modified_rows("a").tolist() == []  # taken: cleared
+    before = tbe.get_table_weight("a")
+    tbe(kjt).values.sum().backward()
+    changed = (tbe.get_table_weight("a") != before).any(1).nonzero().squeeze(1)
+    assert tbe.take_modified_rows("a").tolist() == changed.tolist() == [3, 9]
+
+
+def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2)).fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="restarted")
+    assert restarted.fit().samples == 2 * 128 and restarted.step == 6
+    assert "resumed from" in restarted.out.getvalue()
+    off = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.auto_resume=false"),
+                       name="off")
+    assert off.fit().samples == 2 * 128  # starts fresh
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    fresh = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2), name="fresh")
+    assert fresh.fit().samples == 2 * 128 and "resumed" not in fresh.out.getvalue()
