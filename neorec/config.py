@@ -107,6 +107,9 @@ class TrainConfig:
     device: "cpu", "cuda" or "auto".
     num_threads: torch intra-op threads (0 = torch's default).
     progress: show a progress bar.
+    pipeline: overlap the next batch's loading, input all-to-all and cache prefetch with the
+        current step (``neorec/train/pipeline.py``; same results bit for bit); false = plain loop.
+    profile: time the phases of every step; print the table and write timeline.json.
     """
 
     epochs: int = 1
@@ -119,6 +122,8 @@ class TrainConfig:
     device: str = "cpu"
     num_threads: int = 0
     progress: bool = True
+    pipeline: bool = True
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

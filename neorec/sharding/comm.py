@@ -14,6 +14,7 @@ counted (they never leave the process).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, Generic, List, Optional, Sequence, TypeVar
 
 import torch
@@ -29,6 +30,8 @@ class CommStats:
     def __init__(self) -> None:
         self.bytes_sent: Dict[str, int] = {}
         self.calls: Dict[str, int] = {}
+        self.blocked_seconds = 0.0  # time blocked in collectives that run inside backward
+
 
     def record(self, name: str, num_bytes: int) -> None:
         self.bytes_sent[name] = self.bytes_sent.get(name, 0) + int(num_bytes)
@@ -40,6 +43,7 @@ class CommStats:
     def reset(self) -> None:
         self.bytes_sent.clear()
         self.calls.clear()
+        self.blocked_seconds = 0.0
 
     def snapshot(self) -> Dict[str, int]:
         return dict(self.bytes_sent)
@@ -117,7 +121,10 @@ class _DifferentiableAllToAll(torch.autograd.Function):
         if ctx.stats is not None:
             ctx.stats.record(ctx.name + ".backward", _remote_bytes(ctx.recv_splits, dist.get_rank(ctx.group),
                                                                    grad_output.element_size()))
+        start = time.perf_counter()
         dist.all_to_all_single(grad_input, grad_output, ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        if ctx.stats is not None:
+            ctx.stats.blocked_seconds += time.perf_counter() - start
         return None, grad_input, None, None, None, None, None, None, None
 
 

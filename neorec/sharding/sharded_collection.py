@@ -98,6 +98,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 gradient_reducer=all_reduce_mean_reducer(process_group, comm_stats),
             )
         self._placement = OutputPlacement(self.routing, self.device)
+        self._launched = None  # (values, lengths, awaitable) of an id exchange launched ahead
+        self.timeline = None  # a StepTimeline while profiling (neorec/train/timeline.py)
 
     # ------------------------------------------------------------------------------ info
     def embedding_dim_per_feature(self) -> Dict[str, int]:
@@ -126,10 +128,41 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return output_dist(self.routing, self._placement, local, pooled, self.process_group, self.comm_stats,
                            grad_scale=1.0 / self.world_size)
 
+    def launch_input_dist(self, features: KeyedJaggedTensor) -> None:
+        """Start the id exchange of a LATER forward's ``features`` now (``TrainPipeline``): the
+        forward whose features hold the same values and lengths tensors waits on it instead of
+        exchanging again. Forwards of other features (an evaluation between steps) exchange their
+        own ids as usual; the launched exchange stays pending until its forward or
+        ``drop_launched_input_dist``. Collective: every rank launches for its part of the batch."""
+        self.drop_launched_input_dist()
+        self._launched = (features.values, features.lengths, self.input_dist(features))
+
+    def drop_launched_input_dist(self) -> None:
+        """Complete (so the ranks stay matched) and forget a launched, unused id exchange."""
+        launched, self._launched = getattr(self, "_launched", None), None
+        if launched is not None:
+            launched[2].wait()
+
+    def _local_batch(self, features: KeyedJaggedTensor) -> LocalBatch:
+        launched = getattr(self, "_launched", None)
+        if launched is not None and launched[0] is features.values and launched[1] is features.lengths:
+            self._launched = None
+            return launched[2].wait()
+        return self.input_dist(features).wait()
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """``features``: this rank's samples (keys ⊇ feature_names). Returns values [B, total_dim]."""
-        local = self.input_dist(features).wait()
-        return self.output_dist(local, self.compute(local)).wait()
+        """``features``: this rank's samples (keys ⊇ feature_names). Returns values [B, total_dim].
+        With a ``timeline`` attribute (a ``StepTimeline``), the phases are timed."""
+        timeline = self.timeline
+        if timeline is None:
+            local = self._local_batch(features)
+            return self.output_dist(local, self.compute(local)).wait()
+        with timeline.phase("input_dist", exposed=True):
+            local = self._local_batch(features)
+        with timeline.phase("lookup"):
+            pooled = self.compute(local)
+        with timeline.phase("output_dist", exposed=True):
+            return self.output_dist(local, pooled).wait()
 
     # ------------------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -11,6 +11,7 @@ Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,8 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collect
 from neorec.model import DLRM, dense_parameters
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
+from neorec.train.pipeline import TrainPipeline
+from neorec.train.timeline import StepTimeline
 
 
 class NonFiniteLossError(ValueError):
@@ -158,8 +161,16 @@ class Trainer:
             raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
         self.model = build_model(cfg, self.source, self.device)
         self.plan = None
+        self.timeline = StepTimeline() if cfg.train.profile else None
+        if self.timeline is not None and distributed is not None and comm_stats is None:
+            from neorec.sharding.comm import CommStats
+
+            comm_stats = CommStats()  # times the gradient all-to-all for the timeline
+        self.comm_stats = comm_stats
         if distributed is not None:
             self._distribute(plan, comm_stats)
+        if self.timeline is not None:
+            self.timeline.attach(self.model)
         self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.step = 0
@@ -176,33 +187,61 @@ class Trainer:
         self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
 
     # ------------------------------------------------------------------------------ one step
-    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None) -> float:
+    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None, after_forward=None) -> float:
         """One optimisation step; returns the batch loss (distributed: ``batch`` is this rank's
         part of a global batch of ``global_batch_size`` samples and the loss is the global mean).
         Raises NonFiniteLossError before any weight changes if the loss is NaN or infinite (on
-        every rank at once)."""
+        every rank at once). ``after_forward`` (``TrainPipeline``) runs between forward and backward."""
         self.model.train()
-        logits = self.model(batch.dense, batch.sparse)
-        if self.distributed is None:
-            loss = self.loss_fn(logits, batch.labels)
-            value = float(loss.detach())
-        else:
-            loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
-            value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group, self.device) / self.world_size
-        if not math.isfinite(value):
-            raise NonFiniteLossError(
-                f"training loss is {value} at step {self.step}; stopping before the update is applied "
-                f"(lower the learning rates, check the input features for NaN/inf)"
-            )
+        timeline = self.timeline
+        with timeline.forward() if timeline is not None else contextlib.nullcontext():
+            logits = self.model(batch.dense, batch.sparse)
+            if self.distributed is None:
+                loss = self.loss_fn(logits, batch.labels)
+                value = float(loss.detach())
+            else:
+                loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
+                value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group, self.device) / self.world_size
+        if after_forward is not None:
+            after_forward()
+        if timeline is not None:
+            return self._timed_update(loss, value)
+        self._check_finite(value)
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.dense_optimizer.step()
         self.step += 1
         return value
 
+    def _timed_update(self, loss: torch.Tensor, value: float) -> float:
+        self._check_finite(value)
+        blocked = self.comm_stats.blocked_seconds if self.comm_stats is not None else 0.0
+        with self.timeline.phase("backward"):
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        if self.comm_stats is not None:
+            self.timeline.add_exposed(self.comm_stats.blocked_seconds - blocked)
+        with self.timeline.phase("optimizer"):
+            self.dense_optimizer.step()
+        self.step += 1
+        return value
+
+    def _check_finite(self, value: float) -> None:
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"training loss is {value} at step {self.step}; stopping before the update is applied "
+                f"(lower the learning rates, check the input features for NaN/inf)"
+            )
+
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
         """NE, AUC, calibration and log loss over the eval set (or its first ``max_batches``)."""
+        if self.timeline is not None:
+            with self.timeline.paused():
+                return self._evaluate(max_batches)
+        return self._evaluate(max_batches)
+
+    def _evaluate(self, max_batches: Optional[int]) -> Dict[str, float]:
         limit = self.cfg.train.eval_max_batches if max_batches is None else max_batches
         self.model.eval()
         acc = MetricsAccumulator()
@@ -259,15 +298,15 @@ class Trainer:
                    dynamic_ncols=True, mininterval=0.5)
         samples, eval_seconds = 0, 0.0
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
-        start = time.perf_counter()
+        start = step_start = time.perf_counter()
         try:
             epoch, stop = 0, False
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
                 with PrefetchLoader(self._train_batches(epoch), depth=self.cfg.data.prefetch_batches) as loader:
-                    prefetching = self.cfg.embedding.location.prefetch
-                    for batch, size in with_prefetch(loader, self.model, lambda item: item[0].sparse) \
-                            if prefetching else loader:
-                        loss = self.train_step(batch.to(self.device), size)
+                    for batch, size, after_forward in self._steps(loader):
+                        loss = self.train_step(batch, size, after_forward)
+                        if self.timeline is not None:
+                            self.timeline.end_step(time.perf_counter() - step_start)
                         samples += size
                         window["samples"] += size
                         window["loss"] += loss
@@ -281,6 +320,7 @@ class Trainer:
                         if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0:
                             eval_seconds += self._eval_and_log(log, bar, epoch)
                             window["start"] = time.perf_counter()
+                        step_start = time.perf_counter()
                 if samples == 0:
                     raise ValueError("the training data yielded no batches")
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
@@ -296,11 +336,39 @@ class Trainer:
             qps = samples / max(train_seconds, 1e-9)
             log.write({"kind": "final", "step": self.step, "samples": samples,
                        "train_seconds": train_seconds, "qps": qps, **final_eval})
+            if self.timeline is not None:
+                self._report_timeline(writes)
         finally:
             bar.close()
             log.close()
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
+
+    def _steps(self, loader):
+        """(batch on the device, global batch size, after_forward hook or None) per step: through
+        ``TrainPipeline`` (``train.pipeline``) or the plain loop."""
+        if self.cfg.train.pipeline:
+            yield from TrainPipeline(self.model, self.device, self.timeline).run(loader)
+            return
+        items = with_prefetch(loader, self.model, lambda item: item[0].sparse) \
+            if self.cfg.embedding.location.prefetch else loader
+        iterator = iter(items)
+        while True:
+            start = time.perf_counter()
+            item = next(iterator, None)
+            if item is None:
+                return
+            batch = item[0].to(self.device)
+            if self.timeline is not None:
+                self.timeline.add("data_loading", time.perf_counter() - start)
+            yield batch, item[1], None
+
+    def _report_timeline(self, writes: Optional[Path]) -> None:
+        extra = {"pipeline": self.cfg.train.pipeline, "world_size": self.world_size}
+        if writes:
+            self.timeline.write_json(writes / "timeline.json", extra)
+        if self.is_main:
+            print(self.timeline.format_table(), file=self.out, flush=True)
 
     def _log_train(self, log: MetricsLog, bar: tqdm, window: Dict[str, Any], epoch: int) -> None:
         now = time.perf_counter()
