@@ -139,12 +139,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def drop_launched_input_dist(self) -> None:
         """Complete (so the ranks stay matched) and forget a launched, unused id exchange."""
-        launched, self._launched = getattr(self, "_launched", None), None
+        launched, self._launched = self._launched, None
         if launched is not None:
             launched[2].wait()
 
     def _local_batch(self, features: KeyedJaggedTensor) -> LocalBatch:
-        launched = getattr(self, "_launched", None)
+        launched = self._launched
         if launched is not None and launched[0] is features.values and launched[1] is features.lengths:
             self._launched = None
             return launched[2].wait()
