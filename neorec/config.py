@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from neorec.data.config import DataConfig
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig
 from neorec.embedding.locations import LocationConfig
+from neorec.sharding.qcomm import CommConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,11 +71,13 @@ class ModelConfig:
 class EmbeddingConfig:
     """Sparse side: the optimizer fused into the embedding backward, the weight storage of the
     fused module, and where each table lives ([embedding.location]: device, DRAM, or a cache over
-    a DRAM or SSD row store; ``neorec/embedding/locations.py``)."""
+    a DRAM or SSD row store; ``neorec/embedding/locations.py``), and the codecs of the sharded
+    pooled-embedding exchange ([embedding.comm]: forward / backward, ``neorec/sharding/qcomm.py``)."""
 
     optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     location: LocationConfig = field(default_factory=LocationConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 @dataclass

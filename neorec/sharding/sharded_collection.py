@@ -34,6 +34,7 @@ from neorec.sharding.comm import Awaitable, CommStats, all_reduce_mean_reducer
 from neorec.sharding.input_dist import LocalBatch, input_dist
 from neorec.sharding.output_dist import OutputPlacement, output_dist
 from neorec.sharding.plan import ShardingPlan, ShardingType
+from neorec.sharding.qcomm import CommConfig
 from neorec.sharding.routing import Routing
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
@@ -51,6 +52,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: where this rank's buffers live (its CUDA device under NCCL).
         init_seed: init of the local module (``shard()`` overwrites it with the unsharded weights).
         comm_stats: counts the bytes this rank hands to each collective (optional).
+        comm: codecs of the pooled-embedding all-to-all, forward and backward (``qcomm.py``;
+            default fp32 both ways).
 
     Attributes:
         feature_names / embedding_dims: output keys and widths (as ``EmbeddingBagCollection``).
@@ -68,6 +71,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: Optional[torch.device | str] = None,
         init_seed: int = 0,
         comm_stats: Optional[CommStats] = None,
+        comm: Optional[CommConfig] = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -88,6 +92,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.feature_names: List[str] = list(self.routing.feature_names)
         self.embedding_dims: List[int] = list(self.routing.feature_dims)
         self.comm_stats = comm_stats
+        self.comm = comm if comm is not None else CommConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         local_tables = self.routing.local_tables(self.rank)
         self.tbe: Optional[TableBatchedEmbeddingBags] = None
@@ -126,7 +131,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def output_dist(self, local: LocalBatch, pooled: torch.Tensor) -> Awaitable[KeyedTensor]:
         """Launch the return of the pooled rows; ``wait()`` -> KeyedTensor of this rank's samples."""
         return output_dist(self.routing, self._placement, local, pooled, self.process_group, self.comm_stats,
-                           grad_scale=1.0 / self.world_size)
+                           grad_scale=1.0 / self.world_size, comm=self.comm)
 
     def launch_input_dist(self, features: KeyedJaggedTensor) -> None:
         """Start the id exchange of a LATER forward's ``features`` now (``TrainPipeline``): the

@@ -183,7 +183,7 @@ class Trainer:
         context = self.distributed
         tables = self.source.tables(self.cfg.model.embedding_dim, self.cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
-        shard(self.model, self.plan, context.embedding_group, comm_stats)
+        shard(self.model, self.plan, context.embedding_group, comm_stats, self.cfg.embedding.comm)
         self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
 
     # ------------------------------------------------------------------------------ one step

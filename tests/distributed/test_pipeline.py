@@ -19,3 +19,36 @@ def test_pipelined_sharded_training_equals_plain_loop_bit_for_bit(tmp_path):
         assert report["counts"] == {"launched": 15, "used": 15}, report
         assert report["tables_equal"] and report["dense_equal"] and report["eval_equal"], (rank, report)
     assert results[0]["num_losses"] == 16 and results[0]["losses_equal"], results[0]
+
+
+def test_quantized_exchange_matches_fp32_within_bounds_and_shrinks_bytes(tmp_path):
+    results = run_ranks(pipeline_workers.codec_exchange, 2, tmp_path)
+    # relative bounds of the codecs (qcomm.py), on the block's scale: fp16 2^-11, bf16 2^-8,
+    # int8 half a step of the row range (rows of N(0, 0.1^2) values: range < 1, gradients < 1e-5)
+    bounds = {"fp32": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8, "int8": 1.0 / 255}
+    for rank, out in enumerate(results):
+        fp32_bytes, dim = out["fp32_bytes"]["x"], 8 + 4 * rank  # the worker's block widths
+        for codec, bound in bounds.items():
+            entry = out[codec]
+            assert entry["forward_error"] <= bound * entry["forward_scale"], (codec, entry)
+            assert entry["backward_error"] <= bound * entry["backward_scale"] * 1.0001, (codec, entry)
+            assert entry["no_grad_equal"], codec
+        assert out["fp32"]["forward_error"] == 0.0 and out["fp32"]["backward_error"] == 0.0
+        assert out["fp32"]["bytes"]["x"] == fp32_bytes
+        assert out["fp16"]["bytes"]["x"] == fp32_bytes // 2 + 4  # one block to the other rank, 4-byte scale
+        assert out["bf16"]["bytes"]["x"] * 2 == fp32_bytes
+        assert out["int8"]["bytes"]["x"] == fp32_bytes // (4 * dim) * (dim + 8)  # rows x (codes + min, step)
+        assert out["fp16"]["bytes"]["x.backward"] == out["fp32"]["bytes"]["x.backward"] // 2 + 4
+
+
+def test_two_rank_training_with_each_codec_ends_within_0_3_percent_ne_of_fp32(tmp_path):
+    results = run_ranks(pipeline_workers.codec_training, 2, tmp_path, args=(str(tmp_path),))
+    for out in results:
+        reference = out["fp32"]["ne"]
+        assert reference < 0.98, out  # it learned something
+        for codec in ("fp16", "bf16", "int8"):
+            assert abs(out[codec]["ne"] - reference) <= 0.003 * reference, (codec, out)
+        assert out["fp16"]["bytes"] < 0.51 * out["fp32"]["bytes"]
+        assert out["fp16"]["backward_bytes"] < 0.51 * out["fp32"]["backward_bytes"]
+        assert out["bf16"]["bytes"] * 2 == out["fp32"]["bytes"]
+    print({codec: round(v["ne"], 5) for codec, v in results[0].items()})
