@@ -329,6 +329,7 @@ class Trainer:
                     window["start"] = time.perf_counter()
                 epoch += 1
             train_seconds = time.perf_counter() - start - eval_seconds
+            train_comm = (self.comm_stats.snapshot(), dict(self.comm_stats.calls)) if self.comm_stats else None
             bar.close()
             final_eval = self.evaluate()
             for collection in cached_collections(self.model):
@@ -337,7 +338,7 @@ class Trainer:
             log.write({"kind": "final", "step": self.step, "samples": samples,
                        "train_seconds": train_seconds, "qps": qps, **final_eval})
             if self.timeline is not None:
-                self._report_timeline(writes)
+                self._report_timeline(writes, train_comm)
         finally:
             bar.close()
             log.close()
@@ -363,8 +364,10 @@ class Trainer:
                 self.timeline.add("data_loading", time.perf_counter() - start)
             yield batch, item[1], None
 
-    def _report_timeline(self, writes: Optional[Path]) -> None:
+    def _report_timeline(self, writes: Optional[Path], train_comm) -> None:
         extra = {"pipeline": self.cfg.train.pipeline, "world_size": self.world_size}
+        if train_comm is not None:  # this rank's bytes to other ranks per collective, training steps
+            extra["comm_bytes"], extra["comm_calls"] = train_comm  # (and evaluations between them)
         if writes:
             self.timeline.write_json(writes / "timeline.json", extra)
         if self.is_main:
