@@ -210,7 +210,7 @@ class _Decode(torch.autograd.Function):
         _, _, received = _exchange(e["backward"], grad, e["recv_shapes"], e["send_shapes"], e["group"], e["stats"],
                                    e["name"] + ".backward", async_op=False)
         if e["stats"] is not None:
-            e["stats"].blocked_seconds += time.perf_counter() - start
+            e["stats"].add_blocked(e["name"] + ".backward", time.perf_counter() - start)
         return None, decode_blocks(e["backward"], received, e["send_shapes"]), None, None
 
 
@@ -238,4 +238,4 @@ def quantized_all_to_all(tensor: torch.Tensor, send_shapes: Sequence[Shape], rec
             return decode_blocks(exchange["forward"], received, recv_shapes)
         return _Decode.apply(anchor, tensor, received, exchange)
 
-    return Awaitable([work], finish)
+    return Awaitable([work], finish, stats, name)

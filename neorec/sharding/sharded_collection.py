@@ -142,6 +142,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.drop_launched_input_dist()
         self._launched = (features.values, features.lengths, self.input_dist(features))
 
+    def progress_launched_input_dist(self) -> None:
+        """Stage 2 of a launched id exchange: its header is in, launch the ids (no wait on them)."""
+        if self._launched is not None:
+            self._launched[2].progress()
+
     def drop_launched_input_dist(self) -> None:
         """Complete (so the ranks stay matched) and forget a launched, unused id exchange."""
         launched, self._launched = self._launched, None
@@ -162,11 +167,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if timeline is None:
             local = self._local_batch(features)
             return self.output_dist(local, self.compute(local)).wait()
-        with timeline.phase("input_dist", exposed=True):
+        with timeline.phase("input_dist"):
             local = self._local_batch(features)
         with timeline.phase("lookup"):
             pooled = self.compute(local)
-        with timeline.phase("output_dist", exposed=True):
+        with timeline.phase("output_dist"):
             return self.output_dist(local, pooled).wait()
 
     # ------------------------------------------------------------------------------ weights

@@ -5,12 +5,13 @@ Used by ``Trainer.fit`` by default (``train.pipeline = true``; ``neorec train --
 it off):
 
     pipeline = TrainPipeline(model, device)
-    for batch, size, after_forward in pipeline.run(loader):     # loader yields (Batch, global size)
+    for batch, size, hooks in pipeline.run(loader):     # loader yields (Batch, global size)
         logits = model(batch.dense, batch.sparse)
         loss = ...
-        after_forward()          # launches the input all-to-all of the NEXT batch
-        loss.backward(); optimizer.step()
-    pipeline.close()
+        hooks.after_forward()    # launches the input all-to-all of the NEXT batch (its header)
+        loss.backward()
+        hooks.after_backward()   # the header is in: launches the ids exchange
+        optimizer.step()
 
 The look-ahead, per step i:
 
@@ -18,22 +19,24 @@ The look-ahead, per step i:
    prepares it) and moved to the device; every ``CachedEmbeddingBagCollection`` of the model is
    told to prefetch its rows (they load during batch i's forward and backward, pinned, so batch
    i + 1's loads never evict a row batch i still needs: see ``neorec/embedding/cache.py``);
-2. ``after_forward()`` (called by the step between its forward and its backward) launches batch
-   i + 1's input all-to-all on every ``ShardedEmbeddingBagCollection`` of the model; the id
-   exchange runs while batch i's backward and optimizer run, and batch i + 1's forward picks up
-   the launched exchange instead of starting its own.
+2. ``hooks.after_forward()`` (called by the step between its forward and its backward) launches
+   batch i + 1's input all-to-all on every ``ShardedEmbeddingBagCollection`` of the model: its
+   small header exchange runs during batch i's backward; ``hooks.after_backward()`` then launches
+   the ids exchange (sizes come from the header), which runs during the optimizer step and the
+   next batch's data wait; batch i + 1's forward picks up the launched exchange instead of starting
+   its own. Neither stage blocks on the other ranks when they are in flight long enough.
 
 Why the results are bit-identical to the plain loop: the input all-to-all moves ids, lengths and
 per-id weights only, which no update changes; the prefetch only decides where a row sits in the
 cache, never its value; every rank runs the same sequence of collectives (same order), so the
 exchanges match up. Floating-point arithmetic is unchanged, so losses and weights are equal bit
-for bit (tested in ``tests/unit/train/test_pipeline.py`` and ``tests/distributed/test_pipeline.py``).
+for bit (tested in ``tests/unit/train/test_pipeline.py`` and ``tests/distributed/test_pipeline_and_qcomm.py``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -49,8 +52,27 @@ def sharded_collections(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
 
 
-def _no_op() -> None:
-    return None
+class StepHooks:
+    """What the step calls: ``after_forward()`` between its forward and backward, and
+    ``after_backward()`` between its backward and its optimizer step (both optional, each once)."""
+
+    def __init__(self, pipeline: "TrainPipeline", batch: Optional[Batch]) -> None:
+        self._pipeline, self._batch = pipeline, batch
+        self._stage = 0
+
+    def after_forward(self) -> None:
+        if self._stage != 0:
+            raise RuntimeError("TrainPipeline: after_forward() called twice for one step")
+        self._stage = 1
+        if self._batch is not None:
+            self._pipeline._launch(self._batch)
+
+    def after_backward(self) -> None:
+        if self._stage != 1:
+            raise RuntimeError("TrainPipeline: after_backward() needs one after_forward() before it")
+        self._stage = 2
+        if self._batch is not None:
+            self._pipeline._progress()
 
 
 class TrainPipeline:
@@ -74,11 +96,11 @@ class TrainPipeline:
         self._cached = [c for c in cached_collections(model) if c.caches] if prefetch_cached_rows else []
         self.num_launched = 0  # input all-to-alls launched ahead (for tests and reports)
 
-    def run(self, items: Iterable[Tuple[Batch, Any]]) -> Iterator[Tuple[Batch, Any, Callable[[], None]]]:
-        """Yield ``(batch on device, extra, after_forward)`` for every ``(batch, extra)`` of
-        ``items``, in order. The caller must call ``after_forward()`` once between the step's
-        forward and its backward (not calling it is allowed: the next forward then exchanges its
-        ids itself)."""
+    def run(self, items: Iterable[Tuple[Batch, Any]]) -> Iterator[Tuple[Batch, Any, StepHooks]]:
+        """Yield ``(batch on device, extra, hooks)`` for every ``(batch, extra)`` of ``items``, in
+        order. The step calls ``hooks.after_forward()`` between its forward and its backward and
+        ``hooks.after_backward()`` before its optimizer step (skipping them is allowed: the next
+        forward then does the rest of the exchange itself)."""
         iterator = iter(items)
         current = self._next(iterator)
         try:
@@ -87,10 +109,10 @@ class TrainPipeline:
                 if following is not None:
                     for collection in self._cached:
                         collection.prefetch(following[0].sparse)
-                    hook = self._launcher(following[0]) if self._sharded else _no_op
+                    hooks = StepHooks(self, following[0] if self._sharded else None)
                 else:
-                    hook = _no_op
-                yield current[0], current[1], hook
+                    hooks = StepHooks(self, None)
+                yield current[0], current[1], hooks
                 current = following
         finally:
             self.close()
@@ -106,21 +128,20 @@ class TrainPipeline:
             self.timeline.add("data_loading", time.perf_counter() - start)
         return item
 
-    def _launcher(self, batch: Batch) -> Callable[[], None]:
-        done = []
+    def _launch(self, batch: Batch) -> None:
+        start = time.perf_counter() if self.timeline is not None else 0.0
+        for collection in self._sharded:
+            collection.launch_input_dist(batch.sparse)
+        self.num_launched += 1
+        if self.timeline is not None:
+            self.timeline.add("input_dist", time.perf_counter() - start)
 
-        def launch() -> None:
-            if done:
-                raise RuntimeError("TrainPipeline: after_forward() called twice for one step")
-            done.append(True)
-            start = time.perf_counter() if self.timeline is not None else 0.0
-            for collection in self._sharded:
-                collection.launch_input_dist(batch.sparse)
-            self.num_launched += 1
-            if self.timeline is not None:
-                self.timeline.add("input_dist", time.perf_counter() - start, exposed=True)
-
-        return launch
+    def _progress(self) -> None:
+        start = time.perf_counter() if self.timeline is not None else 0.0
+        for collection in self._sharded:
+            collection.progress_launched_input_dist()
+        if self.timeline is not None:
+            self.timeline.add("input_dist", time.perf_counter() - start)
 
     def close(self) -> None:
         """Complete and drop input all-to-alls launched for batches that will not run (the loop

@@ -18,9 +18,11 @@ Phases (seconds summed over the profiled steps, then per step and as a share of 
 - ``optimizer``: the dense optimizer step;
 - ``other``: the rest of the step (bookkeeping, logging).
 
-``exposed_comm`` overlays them: time a rank sat blocked in an embedding collective (waits of the
-input and output all-to-all, the launch of the next input exchange, the gradient all-to-all of the
-backward, timed by ``CommStats``). Its share of the step is the exposed communication fraction.
+``exposed_comm`` overlays them: time a rank sat blocked waiting for an embedding collective to
+complete (``CommStats.blocked``: the id header exchange, the waits on the id and pooled-embedding
+all-to-alls, the gradient all-to-all of the backward, replica all-reduces), per collective too.
+Its share of the step is the exposed communication fraction. Compute done by the collectives'
+callers (bucketizing ids, assembling the received batch, placing columns) is not in it.
 
 Off (the default) the model and the step carry no timer: ``timeline`` attributes are None and no
 clock is read.
@@ -44,9 +46,12 @@ _SPARSE_FORWARD = ("input_dist", "lookup", "output_dist")
 class StepTimeline:
     """Accumulates phase times of training steps (one instance per trainer; not thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, comm_stats=None) -> None:
         self.seconds: Dict[str, float] = {name: 0.0 for name in PHASES}
+        self.comm_stats = comm_stats  # a CommStats whose blocked times are the exposed communication
         self.exposed_comm = 0.0
+        self.blocked: Dict[str, float] = {}
+        self._blocked_base: Dict[str, float] = {}
         self.steps = 0
         self.step_seconds = 0.0
         self._in_forward = 0.0  # sparse phases timed inside the current forward
@@ -61,26 +66,26 @@ class StepTimeline:
             yield
         finally:
             self._paused = before
+            if self.comm_stats is not None:
+                self._blocked_base = dict(self.comm_stats.blocked)
 
     # -------------------------------------------------------------------------- recording
-    def add(self, name: str, seconds: float, exposed: bool = False) -> None:
+    def add(self, name: str, seconds: float) -> None:
         if name not in self.seconds:
             raise ValueError(f"StepTimeline: unknown phase {name!r}; phases are {PHASES}")
         if self._paused:
             return
         self.seconds[name] += seconds
-        if exposed:
-            self.exposed_comm += seconds
 
     @contextmanager
-    def phase(self, name: str, exposed: bool = False) -> Iterator[None]:
-        """Time the block as phase ``name`` (and as exposed communication with ``exposed``)."""
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name``."""
         start = time.perf_counter()
         try:
             yield
         finally:
             elapsed = time.perf_counter() - start
-            self.add(name, elapsed, exposed)
+            self.add(name, elapsed)
             if name in _SPARSE_FORWARD and not self._paused:
                 self._in_forward += elapsed
 
@@ -94,15 +99,17 @@ class StepTimeline:
         finally:
             self.add("dense_forward", max(0.0, time.perf_counter() - start - self._in_forward))
 
-    def add_exposed(self, seconds: float) -> None:
-        """Blocking communication timed elsewhere (the gradient all-to-all in backward)."""
-        if not self._paused:
-            self.exposed_comm += seconds
-
     def end_step(self, step_seconds: float) -> None:
         """Close a step of ``step_seconds`` wall time; the untimed rest of it is ``other``."""
         self.steps += 1
         self.step_seconds += step_seconds
+        if self.comm_stats is not None:
+            now = dict(self.comm_stats.blocked)
+            for name, value in now.items():
+                delta = value - self._blocked_base.get(name, 0.0)
+                self.blocked[name] = self.blocked.get(name, 0.0) + delta
+                self.exposed_comm += delta
+            self._blocked_base = now
         self.seconds["other"] = max(0.0, self.step_seconds - sum(v for k, v in self.seconds.items() if k != "other"))
 
     # -------------------------------------------------------------------------- model hooks
@@ -147,7 +154,8 @@ class StepTimeline:
                   for name, value in self.seconds.items()}
         return {"steps": self.steps, "step_ms": 1e3 * self.step_seconds / steps, "phases": phases,
                 "exposed_comm": {"seconds": self.exposed_comm, "ms_per_step": 1e3 * self.exposed_comm / steps,
-                                 "fraction": self.exposed_comm / total}}
+                                 "fraction": self.exposed_comm / total,
+                                 "ms_per_step_by_collective": {k: 1e3 * v / steps for k, v in sorted(self.blocked.items())}}}
 
     def format_table(self) -> str:
         summary = self.summary()
@@ -156,6 +164,8 @@ class StepTimeline:
         rows = list(summary["phases"].items()) + [("exposed communication", summary["exposed_comm"])]
         for name, entry in rows:
             lines.append(f"  {name:<22}{entry['ms_per_step']:>10.3f}{100 * entry['fraction']:>8.1f}%")
+        for name, ms in summary["exposed_comm"]["ms_per_step_by_collective"].items():
+            lines.append(f"    blocked in {name:<22}{ms:>8.3f}")
         lines.append("  (exposed communication overlaps the phases above: time blocked in embedding collectives)")
         return "\n".join(lines)
 

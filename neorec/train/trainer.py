@@ -161,12 +161,12 @@ class Trainer:
             raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
         self.model = build_model(cfg, self.source, self.device)
         self.plan = None
-        self.timeline = StepTimeline() if cfg.train.profile else None
-        if self.timeline is not None and distributed is not None and comm_stats is None:
+        if cfg.train.profile and distributed is not None and comm_stats is None:
             from neorec.sharding.comm import CommStats
 
-            comm_stats = CommStats()  # times the gradient all-to-all for the timeline
+            comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
+        self.timeline = StepTimeline(comm_stats) if cfg.train.profile else None
         if distributed is not None:
             self._distribute(plan, comm_stats)
         if self.timeline is not None:
@@ -187,11 +187,12 @@ class Trainer:
         self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
 
     # ------------------------------------------------------------------------------ one step
-    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None, after_forward=None) -> float:
+    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None, hooks=None) -> float:
         """One optimisation step; returns the batch loss (distributed: ``batch`` is this rank's
         part of a global batch of ``global_batch_size`` samples and the loss is the global mean).
         Raises NonFiniteLossError before any weight changes if the loss is NaN or infinite (on
-        every rank at once). ``after_forward`` (``TrainPipeline``) runs between forward and backward."""
+        every rank at once). ``hooks`` (``TrainPipeline``'s ``StepHooks``): ``after_forward()`` runs
+        between forward and backward, ``after_backward()`` between backward and the optimizer."""
         self.model.train()
         timeline = self.timeline
         with timeline.forward() if timeline is not None else contextlib.nullcontext():
@@ -201,26 +202,28 @@ class Trainer:
                 value = float(loss.detach())
             else:
                 loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
-                value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group, self.device) / self.world_size
-        if after_forward is not None:
-            after_forward()
+                value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group,
+                                       self.device) / self.world_size
+        if hooks is not None:
+            hooks.after_forward()
         if timeline is not None:
-            return self._timed_update(loss, value)
+            return self._timed_update(loss, value, hooks)
         self._check_finite(value)
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if hooks is not None:
+            hooks.after_backward()
         self.dense_optimizer.step()
         self.step += 1
         return value
 
-    def _timed_update(self, loss: torch.Tensor, value: float) -> float:
+    def _timed_update(self, loss: torch.Tensor, value: float, hooks) -> float:
         self._check_finite(value)
-        blocked = self.comm_stats.blocked_seconds if self.comm_stats is not None else 0.0
         with self.timeline.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
-        if self.comm_stats is not None:
-            self.timeline.add_exposed(self.comm_stats.blocked_seconds - blocked)
+        if hooks is not None:
+            hooks.after_backward()
         with self.timeline.phase("optimizer"):
             self.dense_optimizer.step()
         self.step += 1
@@ -303,8 +306,8 @@ class Trainer:
             epoch, stop = 0, False
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
                 with PrefetchLoader(self._train_batches(epoch), depth=self.cfg.data.prefetch_batches) as loader:
-                    for batch, size, after_forward in self._steps(loader):
-                        loss = self.train_step(batch, size, after_forward)
+                    for batch, size, hooks in self._steps(loader):
+                        loss = self.train_step(batch, size, hooks)
                         if self.timeline is not None:
                             self.timeline.end_step(time.perf_counter() - step_start)
                         samples += size
@@ -346,7 +349,7 @@ class Trainer:
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
 
     def _steps(self, loader):
-        """(batch on the device, global batch size, after_forward hook or None) per step: through
+        """(batch on the device, global batch size, StepHooks or None) per step: through
         ``TrainPipeline`` (``train.pipeline``) or the plain loop."""
         if self.cfg.train.pipeline:
             yield from TrainPipeline(self.model, self.device, self.timeline).run(loader)

@@ -1,4 +1,4 @@
-"""Rank workers of tests/distributed/test_pipeline.py (spawned by harness.run_ranks)."""
+"""Rank workers of tests/distributed/test_pipeline_and_qcomm.py (spawned by harness.run_ranks)."""
 
 from __future__ import annotations
 

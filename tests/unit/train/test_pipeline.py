@@ -85,9 +85,12 @@ def test_pipeline_yields_every_batch_once_in_order_and_hooks_are_single_use(tmp_
                       torch.zeros(2)), i) for i in range(4)]
     pipeline = TrainPipeline(trainer.model, "cpu")
     seen = []
-    for batch, extra, after_forward in pipeline.run(batches):
+    for batch, extra, hooks in pipeline.run(batches):
         seen.append(extra)
-        after_forward()  # no sharded collection: nothing to launch, still callable once
+        hooks.after_forward()  # no sharded collection: nothing to launch, still checked
+        with pytest.raises(RuntimeError, match="called twice"):
+            hooks.after_forward()
+        hooks.after_backward()
     assert seen == [0, 1, 2, 3]
     with pytest.raises(TypeError, match="expects \\(Batch, extra\\) pairs"):
         list(TrainPipeline(trainer.model, "cpu").run([1, 2]))
