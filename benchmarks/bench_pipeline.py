@@ -130,7 +130,8 @@ def run_variant(name: str, args, network: Optional[VethPair], port: int) -> Dict
     blocked = timeline["exposed_comm"]["ms_per_step_by_collective"]
     return {"input_blocked_ms": sum(v for k, v in blocked.items() if k.startswith("input_dist")),
             "output_blocked_ms": blocked.get("output_dist", 0.0),
-            "gradient_blocked_ms": blocked.get("output_dist.backward", 0.0),"qps": final["qps"], "ne": final["ne"], "step_ms": timeline["step_ms"],
+            "gradient_blocked_ms": blocked.get("output_dist.backward", 0.0),
+            "qps": final["qps"], "ne": final["ne"], "step_ms": timeline["step_ms"],
             "input_dist_ms": phases["input_dist"]["ms_per_step"],
             "output_dist_ms": phases["output_dist"]["ms_per_step"],
             "exposed_comm_fraction": timeline["exposed_comm"]["fraction"],
@@ -168,7 +169,8 @@ def main() -> None:
             network_note = "; ".join(["veth pair between 2 network namespaces", *network.shaping, *network.notes])
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            network_note = f"LOOPBACK FALLBACK: namespaces could not be created ({' '.join(exc.cmd) if hasattr(exc, 'cmd') else ''}: {detail.strip()})"
+            command = " ".join(exc.cmd) if hasattr(exc, "cmd") else ""
+            network_note = f"LOOPBACK FALLBACK: namespaces could not be created ({command}: {detail.strip()})"
     print(f"network: {network_note}", flush=True)
     runs: Dict[str, List[Dict]] = {n: [] for n in names}
     try:
@@ -179,9 +181,11 @@ def main() -> None:
                 start = time.perf_counter()
                 result = run_variant(name, args, network, port)
                 runs[name].append(result)
-                print(f"round {repeat + 1} {name:<15} {result['qps']:>9,.0f} samples/s  step {result['step_ms']:.1f} ms  "
-                      f"input_dist {result['input_dist_ms']:.2f} ms (blocked {result['input_blocked_ms']:.2f})  exposed "
-                      f"{100 * result['exposed_comm_fraction']:.1f}%  ({time.perf_counter() - start:.0f} s)", flush=True)
+                print(f"round {repeat + 1} {name:<15} {result['qps']:>9,.0f} samples/s  "
+                      f"step {result['step_ms']:.1f} ms  input_dist {result['input_dist_ms']:.2f} ms "
+                      f"(blocked {result['input_blocked_ms']:.2f})  exposed "
+                      f"{100 * result['exposed_comm_fraction']:.1f}%  ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
     finally:
         if network is not None:
             network.close()
@@ -192,7 +196,8 @@ def main() -> None:
           f"{'exposed':>9}"
           f"{'out B/step':>12}{'grad B/step':>12}{'veth B/step':>13}{'NE':>8}")
     for name, m in summary.items():
-        print(f"{name:<16}{m['qps']:>11,.0f}{m['step_ms']:>9.1f}{m['input_dist_ms']:>11.2f}{m['input_blocked_ms']:>11.2f}"
+        print(f"{name:<16}{m['qps']:>11,.0f}{m['step_ms']:>9.1f}{m['input_dist_ms']:>11.2f}"
+              f"{m['input_blocked_ms']:>11.2f}"
               f"{m['output_dist_ms']:>12.2f}"
               f"{100 * m['exposed_comm_fraction']:>8.1f}%{m['output_dist_bytes_per_step']:>12,.0f}"
               f"{m['output_dist_backward_bytes_per_step']:>12,.0f}{m['veth_tx_bytes_per_step']:>13,.0f}{m['ne']:>8.4f}")
@@ -201,12 +206,14 @@ def main() -> None:
         plain, piped = summary["plain"], summary["pipeline"]
         ratios["pipeline_speedup"] = piped["qps"] / plain["qps"]
         # the input all-to-all time: time blocked on it (header exchange + waits on the ids)
-        ratios["input_all_to_all_hidden_fraction"] = 1.0 - piped["input_blocked_ms"] / max(plain["input_blocked_ms"], 1e-9)
+        ratios["input_all_to_all_hidden_fraction"] = 1.0 - piped["input_blocked_ms"] / max(plain["input_blocked_ms"],
+                                                                                            1e-9)
         ratios["input_dist_phase_reduction"] = 1.0 - piped["input_dist_ms"] / max(plain["input_dist_ms"], 1e-9)
         for codec in ("fp16", "bf16", "int8"):
             if f"pipeline+{codec}" in summary:
                 entry = summary[f"pipeline+{codec}"]
-                ratios[f"{codec}_output_bytes_ratio"] = entry["output_dist_bytes_per_step"] / piped["output_dist_bytes_per_step"]
+                ratios[f"{codec}_output_bytes_ratio"] = (entry["output_dist_bytes_per_step"]
+                                                         / piped["output_dist_bytes_per_step"])
                 ratios[f"{codec}_gradient_bytes_ratio"] = (entry["output_dist_backward_bytes_per_step"]
                                                           / piped["output_dist_backward_bytes_per_step"])
                 ratios[f"{codec}_speedup_vs_fp32"] = entry["qps"] / piped["qps"]

@@ -155,7 +155,8 @@ class StepTimeline:
         return {"steps": self.steps, "step_ms": 1e3 * self.step_seconds / steps, "phases": phases,
                 "exposed_comm": {"seconds": self.exposed_comm, "ms_per_step": 1e3 * self.exposed_comm / steps,
                                  "fraction": self.exposed_comm / total,
-                                 "ms_per_step_by_collective": {k: 1e3 * v / steps for k, v in sorted(self.blocked.items())}}}
+                                 "ms_per_step_by_collective": {
+                                     k: 1e3 * v / steps for k, v in sorted(self.blocked.items())}}}
 
     def format_table(self) -> str:
         summary = self.summary()
