@@ -96,16 +96,22 @@ class TrainPipeline:
         self._cached = [c for c in cached_collections(model) if c.caches] if prefetch_cached_rows else []
         self.num_launched = 0  # input all-to-alls launched ahead (for tests and reports)
 
-    def run(self, items: Iterable[Tuple[Batch, Any]]) -> Iterator[Tuple[Batch, Any, StepHooks]]:
-        """Yield ``(batch on device, extra, hooks)`` for every ``(batch, extra)`` of ``items``, in
-        order. The step calls ``hooks.after_forward()`` between its forward and its backward and
+    def run(self, items: Iterable[Tuple[Batch, Any]],
+            max_items: Optional[int] = None) -> Iterator[Tuple[Batch, Any, StepHooks]]:
+        """Yield ``(batch on device, extra, hooks)`` for every ``(batch, extra)`` of ``items`` (at
+        most ``max_items``: nothing is loaded or exchanged past them), in order. The step calls
+        ``hooks.after_forward()`` between its forward and its backward and
         ``hooks.after_backward()`` before its optimizer step (skipping them is allowed: the next
         forward then does the rest of the exchange itself)."""
+        if max_items is not None and max_items <= 0:
+            return
         iterator = iter(items)
         current = self._next(iterator)
+        count = 1
         try:
             while current is not None:
-                following = self._next(iterator)
+                following = self._next(iterator) if max_items is None or count < max_items else None
+                count += 1
                 if following is not None:
                     for collection in self._cached:
                         collection.prefetch(following[0].sparse)

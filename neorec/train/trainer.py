@@ -306,7 +306,8 @@ class Trainer:
             epoch, stop = 0, False
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
                 with PrefetchLoader(self._train_batches(epoch), depth=self.cfg.data.prefetch_batches) as loader:
-                    for batch, size, hooks in self._steps(loader):
+                    remaining = cfg.max_steps - self.step if cfg.max_steps else None
+                    for batch, size, hooks in self._steps(loader, remaining):
                         loss = self.train_step(batch, size, hooks)
                         if self.timeline is not None:
                             self.timeline.end_step(time.perf_counter() - step_start)
@@ -348,11 +349,12 @@ class Trainer:
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
 
-    def _steps(self, loader):
+    def _steps(self, loader, max_steps: Optional[int] = None):
         """(batch on the device, global batch size, StepHooks or None) per step: through
-        ``TrainPipeline`` (``train.pipeline``) or the plain loop."""
+        ``TrainPipeline`` (``train.pipeline``; ``max_steps``: it loads no batch past them) or the
+        plain loop."""
         if self.cfg.train.pipeline:
-            yield from TrainPipeline(self.model, self.device, self.timeline).run(loader)
+            yield from TrainPipeline(self.model, self.device, self.timeline).run(loader, max_steps)
             return
         items = with_prefetch(loader, self.model, lambda item: item[0].sparse) \
             if self.cfg.embedding.location.prefetch else loader

@@ -92,6 +92,16 @@ def test_pipeline_yields_every_batch_once_in_order_and_hooks_are_single_use(tmp_
             hooks.after_forward()
         hooks.after_backward()
     assert seen == [0, 1, 2, 3]
+    taken = []
+
+    def counted():
+        for item in batches:
+            taken.append(item[1])
+            yield item
+
+    assert [extra for _, extra, _ in TrainPipeline(trainer.model, "cpu").run(counted(), max_items=2)] == [0, 1]
+    assert taken == [0, 1]  # no batch loaded past max_items
+    assert list(TrainPipeline(trainer.model, "cpu").run(batches, max_items=0)) == []
     with pytest.raises(TypeError, match="expects \\(Batch, extra\\) pairs"):
         list(TrainPipeline(trainer.model, "cpu").run([1, 2]))
 
