@@ -54,7 +54,9 @@ def pipeline_parity(rank: int, world: int, group, directory: str, plan_overrides
     ShardedEmbeddingBagCollection.launch_input_dist = counting_launch
     ShardedEmbeddingBagCollection._local_batch = counting_local_batch
     plain = _fit(rank, world, group, os.path.join(directory, "plain"), ["train.pipeline=false", *plan_overrides])
-    piped = _fit(rank, world, group, os.path.join(directory, "piped"), ["train.pipeline=true", *plan_overrides])
+    # the pipelined run is also profiled: the timed step must give the same bits
+    piped = _fit(rank, world, group, os.path.join(directory, "piped"),
+                 ["train.pipeline=true", "train.profile=true", *plan_overrides])
     report = {"steps": (plain["result"].steps, piped["result"].steps),
               "losses_equal": plain["losses"] == piped["losses"], "num_losses": len(piped["losses"]),
               "tables_equal": all(torch.equal(plain["tables"][n], piped["tables"][n]) for n in plain["tables"]),
@@ -85,11 +87,12 @@ def codec_exchange(rank: int, world: int, group) -> Dict:
                                           [a * b for a, b in recv_shapes], group, stats, "x", grad_scale=0.5).wait()
     reference.backward(upstream)
     out["fp32_bytes"] = stats.snapshot()
-    for codec in ("fp32", "fp16", "bf16", "int8"):
+    for codec in ("fp32", "fp16", "bf16", "int8", "int8/fp16"):
+        forward, backward = codec.split("/") if "/" in codec else (codec, codec)
         stats = CommStats()
         tensor = values.clone().requires_grad_()
-        got = quantized_all_to_all(tensor, send_shapes, recv_shapes, group, CommConfig(codec, codec), stats, "x",
-                                   grad_scale=0.5).wait()
+        got = quantized_all_to_all(tensor, send_shapes, recv_shapes, group, CommConfig(forward, backward), stats,
+                                   "x", grad_scale=0.5).wait()
         got.backward(upstream)
         out[codec] = {"forward_error": float((got - reference).abs().max()),
                       "backward_error": float((tensor.grad - reference_in.grad).abs().max()),
@@ -97,7 +100,8 @@ def codec_exchange(rank: int, world: int, group) -> Dict:
                       "backward_scale": float(reference_in.grad.abs().max()), "bytes": stats.snapshot()}
         with torch.no_grad():  # evaluation: same values, no graph
             out[codec]["no_grad_equal"] = torch.equal(quantized_all_to_all(
-                values, send_shapes, recv_shapes, group, CommConfig(codec, codec), None, "x").wait(), got.detach())
+                values, send_shapes, recv_shapes, group, CommConfig(forward, backward), None, "x").wait(),
+                got.detach())
     return out
 
 

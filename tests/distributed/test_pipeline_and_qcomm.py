@@ -7,6 +7,8 @@ pending): every step's loss, every table (gathered from the shards), every dense
 
 from __future__ import annotations
 
+import json
+
 import pipeline_workers
 from harness import run_ranks
 
@@ -20,6 +22,12 @@ def test_pipelined_sharded_training_equals_plain_loop_bit_for_bit(tmp_path):
         assert report["counts"] == {"launched": 15, "used": 15}, report
         assert report["tables_equal"] and report["dense_equal"] and report["eval_equal"], (rank, report)
     assert results[0]["num_losses"] == 16 and results[0]["losses_equal"], results[0]
+    timeline = json.loads((tmp_path / "piped" / "timeline.json").read_text())  # rank 0's, profiled run
+    assert timeline["steps"] == 16 and timeline["world_size"] == 2 and timeline["pipeline"] is True
+    blocked = timeline["exposed_comm"]["ms_per_step_by_collective"]
+    assert {"input_dist.header", "input_dist", "output_dist", "output_dist.backward"} <= set(blocked), blocked
+    assert 0.0 < timeline["exposed_comm"]["fraction"] < 1.0
+    assert timeline["comm_bytes"]["output_dist"] > 0 and timeline["phases"]["input_dist"]["seconds"] > 0
 
 
 def test_quantized_exchange_matches_fp32_within_bounds_and_shrinks_bytes(tmp_path):
@@ -29,6 +37,11 @@ def test_quantized_exchange_matches_fp32_within_bounds_and_shrinks_bytes(tmp_pat
     bounds = {"fp32": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8, "int8": 1.0 / 255}
     for rank, out in enumerate(results):
         fp32_bytes, dim = out["fp32_bytes"]["x"], 8 + 4 * rank  # the worker's block widths
+        mixed = out["int8/fp16"]  # forward and backward codecs chosen separately
+        assert mixed["forward_error"] == out["int8"]["forward_error"]
+        assert mixed["backward_error"] == out["fp16"]["backward_error"]
+        assert mixed["bytes"]["x"] == out["int8"]["bytes"]["x"]
+        assert mixed["bytes"]["x.backward"] == out["fp16"]["bytes"]["x.backward"]
         for codec, bound in bounds.items():
             entry = out[codec]
             assert entry["forward_error"] <= bound * entry["forward_scale"], (codec, entry)
