@@ -52,6 +52,22 @@ def sharded_collections(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
 
 
+def plain_steps(items: Iterable[Tuple[Batch, Any]], device: torch.device | str,
+                timeline=None) -> Iterator[Tuple[Batch, Any, None]]:
+    """The plain loop's counterpart of ``TrainPipeline.run``: ``(batch on device, extra, None)``,
+    no look-ahead; with a ``timeline`` the wait for each batch is its ``data_loading``."""
+    iterator = iter(items)
+    while True:
+        start = time.perf_counter() if timeline is not None else 0.0
+        item = next(iterator, None)
+        if item is None:
+            return
+        batch = item[0].to(device)
+        if timeline is not None:
+            timeline.add("data_loading", time.perf_counter() - start)
+        yield batch, item[1], None
+
+
 class StepHooks:
     """What the step calls: ``after_forward()`` between its forward and backward, and
     ``after_backward()`` between its backward and its optimizer step (both optional, each once)."""

@@ -32,7 +32,7 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collect
 from neorec.model import DLRM, dense_parameters
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
-from neorec.train.pipeline import TrainPipeline
+from neorec.train.pipeline import TrainPipeline, plain_steps
 from neorec.train.timeline import StepTimeline
 
 
@@ -206,25 +206,13 @@ class Trainer:
                                        self.device) / self.world_size
         if hooks is not None:
             hooks.after_forward()
-        if timeline is not None:
-            return self._timed_update(loss, value, hooks)
         self._check_finite(value)
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if hooks is not None:
-            hooks.after_backward()
-        self.dense_optimizer.step()
-        self.step += 1
-        return value
-
-    def _timed_update(self, loss: torch.Tensor, value: float, hooks) -> float:
-        self._check_finite(value)
-        with self.timeline.phase("backward"):
+        with timeline.phase("backward") if timeline is not None else contextlib.nullcontext():
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if hooks is not None:
             hooks.after_backward()
-        with self.timeline.phase("optimizer"):
+        with timeline.phase("optimizer") if timeline is not None else contextlib.nullcontext():
             self.dense_optimizer.step()
         self.step += 1
         return value
@@ -354,20 +342,10 @@ class Trainer:
         ``TrainPipeline`` (``train.pipeline``; ``max_steps``: it loads no batch past them) or the
         plain loop."""
         if self.cfg.train.pipeline:
-            yield from TrainPipeline(self.model, self.device, self.timeline).run(loader, max_steps)
-            return
+            return TrainPipeline(self.model, self.device, self.timeline).run(loader, max_steps)
         items = with_prefetch(loader, self.model, lambda item: item[0].sparse) \
             if self.cfg.embedding.location.prefetch else loader
-        iterator = iter(items)
-        while True:
-            start = time.perf_counter()
-            item = next(iterator, None)
-            if item is None:
-                return
-            batch = item[0].to(self.device)
-            if self.timeline is not None:
-                self.timeline.add("data_loading", time.perf_counter() - start)
-            yield batch, item[1], None
+        return plain_steps(items, self.device, self.timeline)
 
     def _report_timeline(self, writes: Optional[Path], train_comm) -> None:
         extra = {"pipeline": self.cfg.train.pipeline, "world_size": self.world_size}
