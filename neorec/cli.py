@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", metavar="DIR",
                        help="where metrics.jsonl and config.json go (same as --set train.output_dir=...)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
+    train.add_argument("--no-pipeline", action="store_true",
+                       help="plain training loop: no overlap of the next batch's loading, input all-to-all "
+                       "and cache prefetch with the current step (same as --set train.pipeline=false; "
+                       "results are the same bit for bit either way)")
+    train.add_argument("--profile", action="store_true",
+                       help="time each step's phases (data loading, input dist, lookup, dense forward, "
+                       "output dist, backward, optimizer, exposed communication); print the table and "
+                       "write OUTPUT_DIR/timeline.json (same as --set train.profile=true)")
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train on N local processes (sharded embeddings, data-parallel MLPs; "
                        "data.batch_size is per process); under torchrun the world comes from torchrun")
@@ -195,6 +203,10 @@ def _train_config(args: argparse.Namespace):
         extra.append(f"train.output_dir={_toml_string(args.output_dir)}")
     if args.no_progress:
         extra.append("train.progress=false")
+    if args.no_pipeline:
+        extra.append("train.pipeline=false")
+    if args.profile:
+        extra.append("train.profile=true")
     return _load(args, extra)
 
 

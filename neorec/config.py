@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from neorec.data.config import DataConfig
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig
 from neorec.embedding.locations import LocationConfig
+from neorec.sharding.qcomm import CommConfig
 from neorec.train.checkpoint_config import CheckpointConfig
 
 if sys.version_info >= (3, 11):
@@ -71,11 +72,13 @@ class ModelConfig:
 class EmbeddingConfig:
     """Sparse side: the optimizer fused into the embedding backward, the weight storage of the
     fused module, and where each table lives ([embedding.location]: device, DRAM, or a cache over
-    a DRAM or SSD row store; ``neorec/embedding/locations.py``)."""
+    a DRAM or SSD row store; ``neorec/embedding/locations.py``), and the codecs of the sharded
+    pooled-embedding exchange ([embedding.comm]: forward / backward, ``neorec/sharding/qcomm.py``)."""
 
     optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     location: LocationConfig = field(default_factory=LocationConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class TrainConfig:
     device: "cpu", "cuda" or "auto".
     num_threads: torch intra-op threads (0 = torch's default).
     progress: show a progress bar.
+    pipeline: overlap the next batch's loading, input all-to-all and cache prefetch with the
+        current step (``neorec/train/pipeline.py``; same results bit for bit); false = plain loop.
+    profile: time the phases of every step; print the table and write timeline.json.
     """
 
     epochs: int = 1
@@ -120,6 +126,8 @@ class TrainConfig:
     device: str = "cpu"
     num_threads: int = 0
     progress: bool = True
+    pipeline: bool = True
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

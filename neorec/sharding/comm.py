@@ -14,6 +14,7 @@ counted (they never leave the process).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, Generic, List, Optional, Sequence, TypeVar
 
 import torch
@@ -29,6 +30,16 @@ class CommStats:
     def __init__(self) -> None:
         self.bytes_sent: Dict[str, int] = {}
         self.calls: Dict[str, int] = {}
+        self.blocked: Dict[str, float] = {}  # seconds blocked waiting on each collective
+
+    def add_blocked(self, name: str, seconds: float) -> None:
+        self.blocked[name] = self.blocked.get(name, 0.0) + seconds
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Total time this rank sat waiting for collectives to complete (exposed communication)."""
+        return sum(self.blocked.values())
+
 
     def record(self, name: str, num_bytes: int) -> None:
         self.bytes_sent[name] = self.bytes_sent.get(name, 0) + int(num_bytes)
@@ -40,6 +51,7 @@ class CommStats:
     def reset(self) -> None:
         self.bytes_sent.clear()
         self.calls.clear()
+        self.blocked.clear()
 
     def snapshot(self) -> Dict[str, int]:
         return dict(self.bytes_sent)
@@ -47,19 +59,33 @@ class CommStats:
 
 class Awaitable(Generic[T]):
     """The result of a launched collective; ``wait()`` blocks until it is there and returns it
-    (waiting twice returns the same result)."""
+    (waiting twice returns the same result). With ``stats``, the time blocked on the transfer is
+    added to ``stats.blocked[name]``."""
 
-    def __init__(self, works: Sequence[Optional[dist.Work]], finish: Callable[[], T]) -> None:
+    def __init__(self, works: Sequence[Optional[dist.Work]], finish: Callable[[], T],
+                 stats: Optional["CommStats"] = None, name: str = "",
+                 progress: Optional[Callable[[], None]] = None) -> None:
         self._works = [w for w in works if w is not None]
         self._finish: Optional[Callable[[], T]] = finish
         self._result: Optional[T] = None
+        self._stats, self._name = stats, name
+        self._progress = progress
+
+    def progress(self) -> None:
+        """Advance a staged exchange without waiting for its end (launch its next stage)."""
+        if self._finish is not None and self._progress is not None:
+            self._progress()
 
     def wait(self) -> T:
         if self._finish is not None:
+            timed = self._stats is not None and bool(self._works)
+            start = time.perf_counter() if timed else 0.0
             for work in self._works:
                 work.wait()
+            if timed:
+                self._stats.add_blocked(self._name, time.perf_counter() - start)
             self._result = self._finish()
-            self._finish, self._works = None, []
+            self._finish, self._works, self._progress = None, [], None
         return self._result  # type: ignore[return-value]
 
 
@@ -86,7 +112,7 @@ def all_to_all(tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Se
     if stats is not None:
         stats.record(name, _remote_bytes(send_splits, dist.get_rank(group), tensor.element_size()))
     work = dist.all_to_all_single(output, tensor, recv_splits, send_splits, group=group, async_op=True)
-    return Awaitable([work], lambda: (tensor, output)[1])  # the sent buffer lives until the wait
+    return Awaitable([work], lambda: (tensor, output)[1], stats, name)  # the sent buffer lives until the wait
 
 
 class _DifferentiableAllToAll(torch.autograd.Function):
@@ -117,7 +143,10 @@ class _DifferentiableAllToAll(torch.autograd.Function):
         if ctx.stats is not None:
             ctx.stats.record(ctx.name + ".backward", _remote_bytes(ctx.recv_splits, dist.get_rank(ctx.group),
                                                                    grad_output.element_size()))
+        start = time.perf_counter()
         dist.all_to_all_single(grad_input, grad_output, ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        if ctx.stats is not None:
+            ctx.stats.add_blocked(ctx.name + ".backward", time.perf_counter() - start)
         return None, grad_input, None, None, None, None, None, None, None
 
 
@@ -137,7 +166,7 @@ def differentiable_all_to_all(tensor: torch.Tensor, send_splits: Sequence[int], 
     output = _DifferentiableAllToAll.apply(anchor, tensor, send_splits, recv_splits, group, stats, name,
                                            float(grad_scale), holder)
     work, _sent = holder[0]  # keep the sent buffer alive until the transfer completes
-    return Awaitable([work], lambda: (_sent, output)[1])
+    return Awaitable([work], lambda: (_sent, output)[1], stats, name)
 
 
 def all_reduce_mean_reducer(group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
@@ -150,9 +179,11 @@ def all_reduce_mean_reducer(group: Optional[dist.ProcessGroup], stats: Optional[
         world = dist.get_world_size(group)
         if world == 1:
             return
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
         if stats is not None:
             stats.record(name, tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, group=group)
+            stats.add_blocked(name, time.perf_counter() - start)
         tensor.div_(world)
 
     return reduce

@@ -8,11 +8,14 @@ all of this rank's samples, then the values, re-based to the piece's rows:
 - COLUMN_WISE / TABLE_COLUMN_WISE: all ids, to every column piece (replicated);
 - ROW_WISE / TABLE_ROW_WISE: ids bucketized by row range (minus the range's start).
 
-Exchange: a fixed-size header all-to-all (batch size, number of values, weighted flag per pair;
-waited on at once, it is tiny), then one all-to-all of lengths + values (int64) and, when any rank
-has weights (KJT weights or mean pooling turned into 1 / len(bag)), one of the weights; those two
-are launched asynchronously and ``wait()`` assembles the receiving rank's batch: its shard features
-for ALL ranks' samples (source by source), then its replica features for its own samples only.
+Exchange, in two stages: (1) a fixed-size header all-to-all (batch size, number of values,
+weighted flag per pair), launched asynchronously; (2) once the header is in (``progress()`` on the
+returned awaitable, or ``wait()``), one all-to-all of lengths + values (int64) and, when any rank
+has weights (KJT weights or mean pooling turned into 1 / len(bag)), one of the weights, launched
+asynchronously. ``wait()`` runs what is left and assembles the receiving rank's batch: its shard
+features for ALL ranks' samples (source by source), then its replica features for its own samples
+only. The pipeline launches stage 1 before a step's backward and stage 2 after it, so that neither
+blocks on the other ranks (``neorec/train/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -127,29 +130,35 @@ def input_dist(routing: Routing, rank: int, features: KeyedJaggedTensor, group: 
             floats += [p[2] for p in parts]
         send_floats.append(num_values)
         header += [batch_size, num_values, int(weighted)]
-    received = all_to_all(torch.tensor(header, dtype=torch.int64, device=device), [3] * world, [3] * world,
-                          group, stats, "input_dist.header").wait().view(world, 3).tolist()
-    batch_sizes = [r[0] for r in received]
-    exchange_weights = any(r[2] for r in received)
-    num_keys = len(routing.keys_on[rank])
-    recv_ints = [num_keys * b + n for b, n, _ in received]
-    recv_floats = [n for _, n, _ in received]
-    payload = torch.cat(ints) if ints else torch.zeros(0, dtype=torch.int64, device=device)
-    work_ints = all_to_all(payload, send_ints, recv_ints, group, stats, "input_dist")
-    work_floats = None
-    if exchange_weights:
-        if weighted:
-            weights = torch.cat(floats) if floats else torch.zeros(0, device=device)
-        else:
-            weights = torch.ones(sum(send_floats), dtype=torch.float32, device=device)
-        work_floats = all_to_all(weights, send_floats, recv_floats, group, stats, "input_dist.weights")
+    header_exchange = all_to_all(torch.tensor(header, dtype=torch.int64, device=device), [3] * world, [3] * world,
+                                 group, stats, "input_dist.header")
+    launched: Dict[str, object] = {}
+
+    def launch_payload() -> None:
+        """Stage 2: wait for the header, launch the id (and weight) all-to-alls."""
+        if launched:
+            return
+        received = header_exchange.wait().view(world, 3).tolist()
+        num_keys = len(routing.keys_on[rank])
+        recv_ints = [num_keys * b + n for b, n, _ in received]
+        recv_floats = [n for _, n, _ in received]
+        payload = torch.cat(ints) if ints else torch.zeros(0, dtype=torch.int64, device=device)
+        launched.update(batch_sizes=[r[0] for r in received], recv_floats=recv_floats, floats=None,
+                        ints=all_to_all(payload, send_ints, recv_ints, group, stats, "input_dist"))
+        if any(r[2] for r in received):
+            if weighted:
+                weights = torch.cat(floats) if floats else torch.zeros(0, device=device)
+            else:
+                weights = torch.ones(sum(send_floats), dtype=torch.float32, device=device)
+            launched["floats"] = all_to_all(weights, send_floats, recv_floats, group, stats, "input_dist.weights")
 
     def finish() -> LocalBatch:
-        ints_in = work_ints.wait()
-        floats_in = None if work_floats is None else work_floats.wait()
-        return _assemble(routing, rank, features, batch_sizes, recv_floats, ints_in, floats_in)
+        launch_payload()
+        ints_in = launched["ints"].wait()
+        floats_in = None if launched["floats"] is None else launched["floats"].wait()
+        return _assemble(routing, rank, features, launched["batch_sizes"], launched["recv_floats"], ints_in, floats_in)
 
-    return Awaitable([], finish)
+    return Awaitable([], finish, progress=launch_payload)
 
 
 def _permute_blocks(values: torch.Tensor, block_lengths: torch.Tensor) -> torch.Tensor:

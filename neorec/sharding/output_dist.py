@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from neorec.sharding.comm import Awaitable, CommStats, differentiable_all_to_all
 from neorec.sharding.input_dist import LocalBatch
+from neorec.sharding.qcomm import CommConfig, quantized_all_to_all
 from neorec.sharding.routing import Routing
 from neorec.sparse.keyed import KeyedTensor
 
@@ -43,16 +44,23 @@ class OutputPlacement:
 
 def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch, pooled: torch.Tensor,
                 group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
-                grad_scale: float = 1.0) -> Awaitable[KeyedTensor]:
+                grad_scale: float = 1.0, comm: Optional[CommConfig] = None) -> Awaitable[KeyedTensor]:
     """Launch the exchange of ``pooled`` ([sum(batch_sizes), dims_on[rank] + replica_dim], from the
-    fused lookup of ``local``); ``wait()`` gives the KeyedTensor of this rank's samples."""
+    fused lookup of ``local``); ``wait()`` gives the KeyedTensor of this rank's samples. ``comm``:
+    codecs of the exchange and of its gradient (``qcomm.py``; None or fp32 both ways = exact).
+    Row-wise partial sums are added after decoding, in fp32."""
     rank, sizes = local.rank, local.batch_sizes
     width = routing.dims_on[rank]
     model_parallel = pooled[:, :width] if routing.replica_dim else pooled
     send = [b * width for b in sizes]
     recv = [sizes[rank] * routing.dims_on[r] for r in range(routing.world_size)]
-    exchange = differentiable_all_to_all(model_parallel.reshape(-1), send, recv, group, stats, "output_dist",
-                                         grad_scale=grad_scale)
+    if comm is not None and comm.quantized:
+        exchange = quantized_all_to_all(model_parallel.reshape(-1), [(b, width) for b in sizes],
+                                        [(sizes[rank], routing.dims_on[r]) for r in range(routing.world_size)],
+                                        group, comm, stats, "output_dist", grad_scale=grad_scale)
+    else:
+        exchange = differentiable_all_to_all(model_parallel.reshape(-1), send, recv, group, stats, "output_dist",
+                                             grad_scale=grad_scale)
     own = sizes[rank]
 
     def finish() -> KeyedTensor:

@@ -34,6 +34,7 @@ from neorec.sharding.comm import Awaitable, CommStats, all_reduce_mean_reducer
 from neorec.sharding.input_dist import LocalBatch, input_dist
 from neorec.sharding.output_dist import OutputPlacement, output_dist
 from neorec.sharding.plan import ShardingPlan, ShardingType
+from neorec.sharding.qcomm import CommConfig
 from neorec.sharding.routing import Routing
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
@@ -51,6 +52,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: where this rank's buffers live (its CUDA device under NCCL).
         init_seed: init of the local module (``shard()`` overwrites it with the unsharded weights).
         comm_stats: counts the bytes this rank hands to each collective (optional).
+        comm: codecs of the pooled-embedding all-to-all, forward and backward (``qcomm.py``;
+            default fp32 both ways).
 
     Attributes:
         feature_names / embedding_dims: output keys and widths (as ``EmbeddingBagCollection``).
@@ -68,6 +71,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: Optional[torch.device | str] = None,
         init_seed: int = 0,
         comm_stats: Optional[CommStats] = None,
+        comm: Optional[CommConfig] = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -88,6 +92,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.feature_names: List[str] = list(self.routing.feature_names)
         self.embedding_dims: List[int] = list(self.routing.feature_dims)
         self.comm_stats = comm_stats
+        self.comm = comm if comm is not None else CommConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         local_tables = self.routing.local_tables(self.rank)
         self.tbe: Optional[TableBatchedEmbeddingBags] = None
@@ -98,6 +103,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 gradient_reducer=all_reduce_mean_reducer(process_group, comm_stats),
             )
         self._placement = OutputPlacement(self.routing, self.device)
+        self._launched = None  # (values, lengths, awaitable) of an id exchange launched ahead
+        self.timeline = None  # a StepTimeline while profiling (neorec/train/timeline.py)
 
     # ------------------------------------------------------------------------------ info
     def embedding_dim_per_feature(self) -> Dict[str, int]:
@@ -124,12 +131,48 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def output_dist(self, local: LocalBatch, pooled: torch.Tensor) -> Awaitable[KeyedTensor]:
         """Launch the return of the pooled rows; ``wait()`` -> KeyedTensor of this rank's samples."""
         return output_dist(self.routing, self._placement, local, pooled, self.process_group, self.comm_stats,
-                           grad_scale=1.0 / self.world_size)
+                           grad_scale=1.0 / self.world_size, comm=self.comm)
+
+    def launch_input_dist(self, features: KeyedJaggedTensor) -> None:
+        """Start the id exchange of a LATER forward's ``features`` now (``TrainPipeline``): the
+        forward whose features hold the same values and lengths tensors waits on it instead of
+        exchanging again. Forwards of other features (an evaluation between steps) exchange their
+        own ids as usual; the launched exchange stays pending until its forward or
+        ``drop_launched_input_dist``. Collective: every rank launches for its part of the batch."""
+        self.drop_launched_input_dist()
+        self._launched = (features.values, features.lengths, self.input_dist(features))
+
+    def progress_launched_input_dist(self) -> None:
+        """Stage 2 of a launched id exchange: its header is in, launch the ids (no wait on them)."""
+        if self._launched is not None:
+            self._launched[2].progress()
+
+    def drop_launched_input_dist(self) -> None:
+        """Complete (so the ranks stay matched) and forget a launched, unused id exchange."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            launched[2].wait()
+
+    def _local_batch(self, features: KeyedJaggedTensor) -> LocalBatch:
+        launched = self._launched
+        if launched is not None and launched[0] is features.values and launched[1] is features.lengths:
+            self._launched = None
+            return launched[2].wait()
+        return self.input_dist(features).wait()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """``features``: this rank's samples (keys ⊇ feature_names). Returns values [B, total_dim]."""
-        local = self.input_dist(features).wait()
-        return self.output_dist(local, self.compute(local)).wait()
+        """``features``: this rank's samples (keys ⊇ feature_names). Returns values [B, total_dim].
+        With a ``timeline`` attribute (a ``StepTimeline``), the phases are timed."""
+        timeline = self.timeline
+        if timeline is None:
+            local = self._local_batch(features)
+            return self.output_dist(local, self.compute(local)).wait()
+        with timeline.phase("input_dist"):
+            local = self._local_batch(features)
+        with timeline.phase("lookup"):
+            pooled = self.compute(local)
+        with timeline.phase("output_dist"):
+            return self.output_dist(local, pooled).wait()
 
     # ------------------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -19,14 +19,16 @@ from torch import nn
 from neorec.embedding.tables import EmbeddingBagCollection
 from neorec.sharding.comm import CommStats
 from neorec.sharding.plan import ShardingPlan
+from neorec.sharding.qcomm import CommConfig
 from neorec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 
 
 def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
                      process_group: Optional[dist.ProcessGroup],
-                     comm_stats: Optional[CommStats] = None) -> ShardedEmbeddingBagCollection:
+                     comm_stats: Optional[CommStats] = None,
+                     comm: Optional[CommConfig] = None) -> ShardedEmbeddingBagCollection:
     """A ``ShardedEmbeddingBagCollection`` with ``collection``'s tables, optimizer, storage and
-    weights."""
+    weights; ``comm``: codecs of its pooled-embedding exchange (``qcomm.py``)."""
     if not isinstance(collection, EmbeddingBagCollection):
         raise TypeError(f"shard: expected an EmbeddingBagCollection, got {type(collection).__name__}")
     tbe = collection.tbe
@@ -35,7 +37,7 @@ def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
                          f"model (optimizer state is not carried over)")
     sharded = ShardedEmbeddingBagCollection(
         collection.tables, plan, process_group, optimizer=tbe.optimizer, storage=tbe.storage,
-        device=tbe.weights.device, comm_stats=comm_stats,
+        device=tbe.weights.device, comm_stats=comm_stats, comm=comm,
     )
     for table in collection.tables:
         sharded.load_table_weight(table.name, tbe.get_table_weight(table.name))
@@ -43,11 +45,11 @@ def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
 
 
 def shard(model: nn.Module, plan: ShardingPlan, process_group: Optional[dist.ProcessGroup],
-          comm_stats: Optional[CommStats] = None) -> nn.Module:
+          comm_stats: Optional[CommStats] = None, comm: Optional[CommConfig] = None) -> nn.Module:
     """Replace ``model.sparse_arch`` (an EmbeddingBagCollection) by its sharded version, in place;
     returns ``model``."""
     collection = getattr(model, "sparse_arch", None)
     if collection is None:
         raise ValueError(f"shard: {type(model).__name__} has no attribute 'sparse_arch'")
-    model.sparse_arch = shard_collection(collection, plan, process_group, comm_stats)
+    model.sparse_arch = shard_collection(collection, plan, process_group, comm_stats, comm)
     return model

@@ -11,6 +11,7 @@ Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,8 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collect
 from neorec.model import DLRM, dense_parameters
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
+from neorec.train.pipeline import TrainPipeline, plain_steps
+from neorec.train.timeline import StepTimeline
 
 
 class NonFiniteLossError(ValueError):
@@ -159,8 +162,16 @@ class Trainer:
             raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
         self.model = build_model(cfg, self.source, self.device)
         self.plan = None
+        if cfg.train.profile and distributed is not None and comm_stats is None:
+            from neorec.sharding.comm import CommStats
+
+            comm_stats = CommStats()  # times the waits on collectives for the timeline
+        self.comm_stats = comm_stats
+        self.timeline = StepTimeline(comm_stats) if cfg.train.profile else None
         if distributed is not None:
             self._distribute(plan, comm_stats)
+        if self.timeline is not None:
+            self.timeline.attach(self.model)
         self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.step = 0
@@ -178,37 +189,56 @@ class Trainer:
         context = self.distributed
         tables = self.source.tables(self.cfg.model.embedding_dim, self.cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
-        shard(self.model, self.plan, context.embedding_group, comm_stats)
+        shard(self.model, self.plan, context.embedding_group, comm_stats, self.cfg.embedding.comm)
         self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
 
     # ------------------------------------------------------------------------------ one step
-    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None) -> float:
+    def train_step(self, batch: Batch, global_batch_size: Optional[int] = None, hooks=None) -> float:
         """One optimisation step; returns the batch loss (distributed: ``batch`` is this rank's
         part of a global batch of ``global_batch_size`` samples and the loss is the global mean).
         Raises NonFiniteLossError before any weight changes if the loss is NaN or infinite (on
-        every rank at once)."""
+        every rank at once). ``hooks`` (``TrainPipeline``'s ``StepHooks``): ``after_forward()`` runs
+        between forward and backward, ``after_backward()`` between backward and the optimizer."""
         self.model.train()
-        logits = self.model(batch.dense, batch.sparse)
-        if self.distributed is None:
-            loss = self.loss_fn(logits, batch.labels)
-            value = float(loss.detach())
-        else:
-            loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
-            value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group, self.device) / self.world_size
+        timeline = self.timeline
+        with timeline.forward() if timeline is not None else contextlib.nullcontext():
+            logits = self.model(batch.dense, batch.sparse)
+            if self.distributed is None:
+                loss = self.loss_fn(logits, batch.labels)
+                value = float(loss.detach())
+            else:
+                loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
+                value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group,
+                                       self.device) / self.world_size
+        if hooks is not None:
+            hooks.after_forward()
+        self._check_finite(value)
+        with timeline.phase("backward") if timeline is not None else contextlib.nullcontext():
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        if hooks is not None:
+            hooks.after_backward()
+        with timeline.phase("optimizer") if timeline is not None else contextlib.nullcontext():
+            self.dense_optimizer.step()
+        self.step += 1
+        return value
+
+    def _check_finite(self, value: float) -> None:
         if not math.isfinite(value):
             raise NonFiniteLossError(
                 f"training loss is {value} at step {self.step}; stopping before the update is applied "
                 f"(lower the learning rates, check the input features for NaN/inf)"
             )
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.dense_optimizer.step()
-        self.step += 1
-        return value
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
         """NE, AUC, calibration and log loss over the eval set (or its first ``max_batches``)."""
+        if self.timeline is not None:
+            with self.timeline.paused():
+                return self._evaluate(max_batches)
+        return self._evaluate(max_batches)
+
+    def _evaluate(self, max_batches: Optional[int]) -> Dict[str, float]:
         limit = self.cfg.train.eval_max_batches if max_batches is None else max_batches
         self.model.eval()
         acc = MetricsAccumulator()
@@ -267,7 +297,7 @@ class Trainer:
                    dynamic_ncols=True, mininterval=0.5)
         samples, eval_seconds = 0, 0.0
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
-        start = time.perf_counter()
+        start = step_start = time.perf_counter()
         try:
             epoch, batch_in_epoch = 0, 0
             if self.checkpointer is not None:
@@ -278,10 +308,11 @@ class Trainer:
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
                 with PrefetchLoader(self._train_batches(epoch, batch_in_epoch),
                                     depth=self.cfg.data.prefetch_batches) as loader:
-                    prefetching = self.cfg.embedding.location.prefetch
-                    for batch, size in with_prefetch(loader, self.model, lambda item: item[0].sparse) \
-                            if prefetching else loader:
-                        loss = self.train_step(batch.to(self.device), size)
+                    remaining = cfg.max_steps - self.step if cfg.max_steps else None
+                    for batch, size, hooks in self._steps(loader, remaining):
+                        loss = self.train_step(batch, size, hooks)
+                        if self.timeline is not None:
+                            self.timeline.end_step(time.perf_counter() - step_start)
                         samples += size
                         batch_in_epoch += 1
                         if self.checkpointer is not None:
@@ -298,6 +329,7 @@ class Trainer:
                         if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0:
                             eval_seconds += self._eval_and_log(log, bar, epoch)
                             window["start"] = time.perf_counter()
+                        step_start = time.perf_counter()
                 if self.step == 0:
                     raise ValueError("the training data yielded no batches")
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
@@ -308,6 +340,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.finish()
             train_seconds = time.perf_counter() - start - eval_seconds
+            train_comm = (self.comm_stats.snapshot(), dict(self.comm_stats.calls)) if self.comm_stats else None
             bar.close()
             final_eval = self.evaluate()
             for collection in cached_collections(self.model):
@@ -315,11 +348,32 @@ class Trainer:
             qps = samples / max(train_seconds, 1e-9)
             log.write({"kind": "final", "step": self.step, "samples": samples,
                        "train_seconds": train_seconds, "qps": qps, **final_eval})
+            if self.timeline is not None:
+                self._report_timeline(writes, train_comm)
         finally:
             bar.close()
             log.close()
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
+
+    def _steps(self, loader, max_steps: Optional[int] = None):
+        """(batch on the device, global batch size, StepHooks or None) per step: through
+        ``TrainPipeline`` (``train.pipeline``; ``max_steps``: it loads no batch past them) or the
+        plain loop."""
+        if self.cfg.train.pipeline:
+            return TrainPipeline(self.model, self.device, self.timeline).run(loader, max_steps)
+        items = with_prefetch(loader, self.model, lambda item: item[0].sparse) \
+            if self.cfg.embedding.location.prefetch else loader
+        return plain_steps(items, self.device, self.timeline)
+
+    def _report_timeline(self, writes: Optional[Path], train_comm) -> None:
+        extra = {"pipeline": self.cfg.train.pipeline, "world_size": self.world_size}
+        if train_comm is not None:  # this rank's bytes to other ranks per collective, training steps
+            extra["comm_bytes"], extra["comm_calls"] = train_comm  # (and evaluations between them)
+        if writes:
+            self.timeline.write_json(writes / "timeline.json", extra)
+        if self.is_main:
+            print(self.timeline.format_table(), file=self.out, flush=True)
 
     def _log_train(self, log: MetricsLog, bar: tqdm, window: Dict[str, Any], epoch: int) -> None:
         now = time.perf_counter()

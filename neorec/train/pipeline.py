@@ -1,0 +1,172 @@
+"""``TrainPipeline``: trains batch i while batch i + 1 is loaded, its input all-to-all is in flight
+and, for cached tables, its rows are prefetched (Neo's pipelined training, section 5).
+
+Used by ``Trainer.fit`` by default (``train.pipeline = true``; ``neorec train --no-pipeline`` turns
+it off):
+
+    pipeline = TrainPipeline(model, device)
+    for batch, size, hooks in pipeline.run(loader):     # loader yields (Batch, global size)
+        logits = model(batch.dense, batch.sparse)
+        loss = ...
+        hooks.after_forward()    # launches the input all-to-all of the NEXT batch (its header)
+        loss.backward()
+        hooks.after_backward()   # the header is in: launches the ids exchange
+        optimizer.step()
+
+The look-ahead, per step i:
+
+1. before batch i is handed out, batch i + 1 is taken from ``items`` (a ``PrefetchLoader`` thread
+   prepares it) and moved to the device; every ``CachedEmbeddingBagCollection`` of the model is
+   told to prefetch its rows (they load during batch i's forward and backward, pinned, so batch
+   i + 1's loads never evict a row batch i still needs: see ``neorec/embedding/cache.py``);
+2. ``hooks.after_forward()`` (called by the step between its forward and its backward) launches
+   batch i + 1's input all-to-all on every ``ShardedEmbeddingBagCollection`` of the model: its
+   small header exchange runs during batch i's backward; ``hooks.after_backward()`` then launches
+   the ids exchange (sizes come from the header), which runs during the optimizer step and the
+   next batch's data wait; batch i + 1's forward picks up the launched exchange instead of starting
+   its own. Neither stage blocks on the other ranks when they are in flight long enough.
+
+Why the results are bit-identical to the plain loop: the input all-to-all moves ids, lengths and
+per-id weights only, which no update changes; the prefetch only decides where a row sits in the
+cache, never its value; every rank runs the same sequence of collectives (same order), so the
+exchanges match up. Floating-point arithmetic is unchanged, so losses and weights are equal bit
+for bit (tested in ``tests/unit/train/test_pipeline.py`` and ``tests/distributed/test_pipeline_and_qcomm.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from neorec.data.batch import Batch
+from neorec.embedding.cached import cached_collections
+
+
+def sharded_collections(model: nn.Module) -> List[nn.Module]:
+    """Every ``ShardedEmbeddingBagCollection`` inside ``model`` (DDP-wrapped or not)."""
+    from neorec.sharding.sharded_collection import ShardedEmbeddingBagCollection
+
+    return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+
+
+def plain_steps(items: Iterable[Tuple[Batch, Any]], device: torch.device | str,
+                timeline=None) -> Iterator[Tuple[Batch, Any, None]]:
+    """The plain loop's counterpart of ``TrainPipeline.run``: ``(batch on device, extra, None)``,
+    no look-ahead; with a ``timeline`` the wait for each batch is its ``data_loading``."""
+    iterator = iter(items)
+    while True:
+        start = time.perf_counter() if timeline is not None else 0.0
+        item = next(iterator, None)
+        if item is None:
+            return
+        batch = item[0].to(device)
+        if timeline is not None:
+            timeline.add("data_loading", time.perf_counter() - start)
+        yield batch, item[1], None
+
+
+class StepHooks:
+    """What the step calls: ``after_forward()`` between its forward and backward, and
+    ``after_backward()`` between its backward and its optimizer step (both optional, each once)."""
+
+    def __init__(self, pipeline: "TrainPipeline", batch: Optional[Batch]) -> None:
+        self._pipeline, self._batch = pipeline, batch
+        self._stage = 0
+
+    def after_forward(self) -> None:
+        if self._stage != 0:
+            raise RuntimeError("TrainPipeline: after_forward() called twice for one step")
+        self._stage = 1
+        if self._batch is not None:
+            self._pipeline._launch(self._batch)
+
+    def after_backward(self) -> None:
+        if self._stage != 1:
+            raise RuntimeError("TrainPipeline: after_backward() needs one after_forward() before it")
+        self._stage = 2
+        if self._batch is not None:
+            self._pipeline._progress()
+
+
+class TrainPipeline:
+    """One-batch look-ahead over the training batches of ``model``.
+
+    Args:
+        model: the model being trained (plain, sharded, DDP-wrapped; cached tables allowed).
+        device: where batches go before the step (``Batch.to``).
+        timeline: optional ``StepTimeline``; the time spent waiting for the next batch is added to
+            its ``data_loading`` phase and the launch of the next input all-to-all to ``input_dist``.
+        prefetch_cached_rows: tell cached collections to prefetch the next batch's rows (on by
+            default; the plain loop does it only with ``embedding.location.prefetch``).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str, timeline=None,
+                 prefetch_cached_rows: bool = True) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.timeline = timeline
+        self._sharded = sharded_collections(model)
+        self._cached = [c for c in cached_collections(model) if c.caches] if prefetch_cached_rows else []
+        self.num_launched = 0  # input all-to-alls launched ahead (for tests and reports)
+
+    def run(self, items: Iterable[Tuple[Batch, Any]],
+            max_items: Optional[int] = None) -> Iterator[Tuple[Batch, Any, StepHooks]]:
+        """Yield ``(batch on device, extra, hooks)`` for every ``(batch, extra)`` of ``items`` (at
+        most ``max_items``: nothing is loaded or exchanged past them), in order. The step calls
+        ``hooks.after_forward()`` between its forward and its backward and
+        ``hooks.after_backward()`` before its optimizer step (skipping them is allowed: the next
+        forward then does the rest of the exchange itself)."""
+        if max_items is not None and max_items <= 0:
+            return
+        iterator = iter(items)
+        current = self._next(iterator)
+        count = 1
+        try:
+            while current is not None:
+                following = self._next(iterator) if max_items is None or count < max_items else None
+                count += 1
+                if following is not None:
+                    for collection in self._cached:
+                        collection.prefetch(following[0].sparse)
+                    hooks = StepHooks(self, following[0] if self._sharded else None)
+                else:
+                    hooks = StepHooks(self, None)
+                yield current[0], current[1], hooks
+                current = following
+        finally:
+            self.close()
+
+    def _next(self, iterator: Iterator) -> Optional[Tuple[Batch, Any]]:
+        start = time.perf_counter() if self.timeline is not None else 0.0
+        item = next(iterator, None)
+        if item is not None:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], Batch)):
+                raise TypeError(f"TrainPipeline.run expects (Batch, extra) pairs, got {type(item).__name__}")
+            item = (item[0].to(self.device), item[1])
+        if self.timeline is not None:
+            self.timeline.add("data_loading", time.perf_counter() - start)
+        return item
+
+    def _launch(self, batch: Batch) -> None:
+        start = time.perf_counter() if self.timeline is not None else 0.0
+        for collection in self._sharded:
+            collection.launch_input_dist(batch.sparse)
+        self.num_launched += 1
+        if self.timeline is not None:
+            self.timeline.add("input_dist", time.perf_counter() - start)
+
+    def _progress(self) -> None:
+        start = time.perf_counter() if self.timeline is not None else 0.0
+        for collection in self._sharded:
+            collection.progress_launched_input_dist()
+        if self.timeline is not None:
+            self.timeline.add("input_dist", time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Complete and drop input all-to-alls launched for batches that will not run (the loop
+        stopped early). Every rank stops at the same step, so the exchanges still match."""
+        for collection in self._sharded:
+            collection.drop_launched_input_dist()

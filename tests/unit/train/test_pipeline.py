@@ -1,0 +1,121 @@
+"""``TrainPipeline`` on one process: the pipelined Trainer equals the plain loop bit for bit (every
+step's loss, every table row and optimizer state, every dense weight), with device tables and with
+tables behind a cache (whose rows the pipeline prefetches); the step timeline is written.
+
+    python -m pytest tests/unit/train/test_pipeline.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from neorec.config import load_config
+from neorec.data.batch import Batch
+from neorec.embedding.cached import cached_collections
+from neorec.model import dense_parameters
+from neorec.train.pipeline import TrainPipeline
+from neorec.train.trainer import Trainer
+
+CACHED = ['embedding.location.default="cached_dram"', "embedding.location.cache_rows=192",
+          "embedding.location.ways=8", "embedding.location.min_rows=100"]
+
+
+def small_config(directory, pipeline: bool, overrides=()):
+    return load_config(None, [
+        "data.synthetic.num_tables=3", "data.synthetic.num_embeddings=[60, 400, 900]", "data.synthetic.pooling=3.0",
+        "data.synthetic.num_dense=3", "data.synthetic.num_train_samples=1200", "data.synthetic.num_eval_samples=200",
+        "data.batch_size=32", "data.eval_batch_size=100", "data.prefetch_batches=2", "model.embedding_dim=8",
+        "model.dense_layers=[8]", "model.over_layers=[8]", "train.progress=false", "train.log_every_steps=1",
+        "train.eval_every_steps=16", 'embedding.optimizer.kind="rowwise_adagrad"',
+        f'train.output_dir="{directory}"', f"train.pipeline={str(pipeline).lower()}", *overrides,
+    ])
+
+
+def losses(directory):
+    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def table_rows(trainer):
+    collection = trainer.model.sparse_arch
+    cached = cached_collections(trainer.model)
+    out = {}
+    for table in collection.tables:
+        if cached:
+            out[table.name] = cached[0].table_weight(table.name)
+            out[table.name + ".state"] = cached[0].optimizer_state(table.name)["momentum1"]
+        else:
+            out[table.name] = collection.tbe.get_table_weight(table.name)
+            out[table.name + ".state"] = collection.tbe.get_optimizer_state(table.name)["momentum1"]
+    return out
+
+
+@pytest.mark.parametrize("placement", ["device", "cached"])
+def test_pipelined_trainer_equals_plain_loop_bit_for_bit(tmp_path, placement):
+    overrides = CACHED if placement == "cached" else []
+    runs = {}
+    for pipeline in (False, True):
+        directory = tmp_path / f"pipeline_{pipeline}"
+        trainer = Trainer(small_config(directory, pipeline, overrides), out=io.StringIO())
+        result = trainer.fit()
+        runs[pipeline] = (trainer, result, losses(directory))
+    (plain, plain_result, plain_losses), (piped, piped_result, piped_losses) = runs[False], runs[True]
+    assert plain_result.steps == piped_result.steps == 38  # 1200 / 32, several evaluations in between
+    assert len(plain_losses) == 38 and plain_losses == piped_losses  # exact float equality
+    assert plain_result.final_eval == piped_result.final_eval
+    expected, got = table_rows(plain), table_rows(piped)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    for a, b in zip(dense_parameters(plain.model), dense_parameters(piped.model)):
+        assert torch.equal(a, b)
+    if placement == "cached":
+        stats = cached_collections(piped.model)[0].cache_stats()
+        assert sum(s["prefetch_requests"] for s in stats.values()) > 0  # the pipeline prefetched
+        assert sum(s["prefetch_requests"] for s in cached_collections(plain.model)[0].cache_stats().values()) == 0
+        assert sum(s["evictions"] for s in stats.values()) > 0  # the cache is small enough to evict
+
+
+def test_pipeline_yields_every_batch_once_in_order_and_hooks_are_single_use(tmp_path):
+    trainer = Trainer(small_config(tmp_path, True), out=io.StringIO())
+    batches = [(Batch(torch.randn(2, 3), trainer.source.eval_batches(2).__iter__().__next__().sparse,
+                      torch.zeros(2)), i) for i in range(4)]
+    pipeline = TrainPipeline(trainer.model, "cpu")
+    seen = []
+    for batch, extra, hooks in pipeline.run(batches):
+        seen.append(extra)
+        hooks.after_forward()  # no sharded collection: nothing to launch, still checked
+        with pytest.raises(RuntimeError, match="called twice"):
+            hooks.after_forward()
+        hooks.after_backward()
+    assert seen == [0, 1, 2, 3]
+    taken = []
+
+    def counted():
+        for item in batches:
+            taken.append(item[1])
+            yield item
+
+    assert [extra for _, extra, _ in TrainPipeline(trainer.model, "cpu").run(counted(), max_items=2)] == [0, 1]
+    assert taken == [0, 1]  # no batch loaded past max_items
+    assert list(TrainPipeline(trainer.model, "cpu").run(batches, max_items=0)) == []
+    with pytest.raises(TypeError, match="expects \\(Batch, extra\\) pairs"):
+        list(TrainPipeline(trainer.model, "cpu").run([1, 2]))
+
+
+def test_profile_writes_timeline(tmp_path):
+    trainer = Trainer(small_config(tmp_path, True, ["train.profile=true", "train.max_steps=6"]), out=io.StringIO())
+    trainer.fit()
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    assert timeline["steps"] == 6 and timeline["pipeline"] is True
+    phases = timeline["phases"]
+    assert set(phases) == {"data_loading", "input_dist", "lookup", "dense_forward", "output_dist", "backward",
+                           "optimizer", "other"}
+    assert phases["lookup"]["seconds"] > 0 and phases["backward"]["seconds"] > 0
+    assert phases["optimizer"]["seconds"] > 0 and phases["dense_forward"]["seconds"] > 0
+    total = sum(p["seconds"] for p in phases.values())
+    assert total == pytest.approx(timeline["step_ms"] * 6 / 1e3, rel=1e-6)  # the phases partition the steps
+    assert "step timeline (6 steps" in trainer.out.getvalue()
