@@ -86,7 +86,7 @@ class DistributedContext:
             torch_device, backend = torch.device("cpu"), "gloo"
         timeout = timedelta(seconds=timeout_seconds)
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+            _init_default_group(backend, rank, world, timeout)
         dense_group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
         return cls(rank, world, local_rank, local_world, backend, torch_device, dist.group.WORLD, dense_group)
 
@@ -99,6 +99,22 @@ class DistributedContext:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.embedding_group = self.dense_group = None
+
+
+def _init_default_group(backend: str, rank: int, world: int, timeout: timedelta) -> None:
+    """``init_process_group`` from the environment. When torchrun has restarted the workers
+    (``--max-restarts``) they join through the agent's store, which outlives the previous attempt
+    and still holds that attempt's keys, among them the gloo addresses of processes now dead: a
+    new worker could read one and connect to it (refused, or hang in the full-mesh connect). Each
+    attempt therefore uses its own key prefix in that store."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"neorec/attempt-{restart}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------- batches

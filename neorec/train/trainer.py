@@ -106,14 +106,30 @@ def make_dense_optimizer(cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Pa
 
 
 class MetricsLog:
-    """Append-only JSON-lines file; each record is flushed as it is written."""
+    """Append-only JSON-lines file; each record is flushed as it is written.
 
-    def __init__(self, path: Optional[Path]) -> None:
+    A new run starts the file afresh. ``continue_after_step`` (a run resumed at that step) keeps
+    the existing file's records up to that step and appends after them: the records a crashed
+    run wrote past its last checkpoint are dropped, since those steps are trained again."""
+
+    def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None) -> None:
         self.path = path
         self._file: Optional[TextIO] = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("w")
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if continue_after_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by the crash
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                        and record["step"] <= continue_after_step:
+                    kept.append(line + "\n")
+            _write_atomic(path, "".join(kept))
+        self._file = path.open("a" if kept else "w")
 
     def write(self, record: Dict[str, Any]) -> None:
         if self._file is not None:
@@ -284,26 +300,26 @@ class Trainer:
         loading included, evaluation excluded)."""
         cfg = self.cfg.train
         writes = self.output_dir if self.is_main else None  # rank 0 alone logs
-        log = MetricsLog(writes / "metrics.jsonl" if writes else None)
+        global_batch_size = self.cfg.data.batch_size * self.world_size
+        steps_per_epoch = math.ceil(self.source.num_train_samples() / global_batch_size)
+        epoch, batch_in_epoch = 0, 0
+        if self.checkpointer is not None:  # resume (or not): sets self.step and the data position
+            position = self.checkpointer.start(self.resume, steps_per_epoch)
+            epoch, batch_in_epoch = position.epoch, position.batch_in_epoch
+        # a resumed run continues the log of the run it resumes (records past its step are dropped)
+        log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None)
         if writes:
             writes.mkdir(parents=True, exist_ok=True)
             _write_atomic(writes / "config.json", self.cfg.to_json())
-        global_batch_size = self.cfg.data.batch_size * self.world_size
-        steps_per_epoch = math.ceil(self.source.num_train_samples() / global_batch_size)
         total_steps = steps_per_epoch * cfg.epochs if cfg.epochs else cfg.max_steps
         if cfg.max_steps:
             total_steps = min(total_steps, cfg.max_steps)
-        bar = tqdm(total=total_steps, disable=not (cfg.progress and self.is_main), file=self.out, unit="step",
-                   dynamic_ncols=True, mininterval=0.5)
+        bar = tqdm(total=total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), file=self.out,
+                   unit="step", dynamic_ncols=True, mininterval=0.5)
         samples, eval_seconds = 0, 0.0
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
         start = step_start = time.perf_counter()
         try:
-            epoch, batch_in_epoch = 0, 0
-            if self.checkpointer is not None:
-                position = self.checkpointer.start(self.resume, steps_per_epoch)
-                epoch, batch_in_epoch = position.epoch, position.batch_in_epoch
-                bar.update(self.step)
             stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
                 with PrefetchLoader(self._train_batches(epoch, batch_in_epoch),

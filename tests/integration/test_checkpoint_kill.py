@@ -1,5 +1,6 @@
 """SIGKILL a rank of ``neorec train --nproc 2`` mid-training; ``--resume`` finishes the job with
-weights identical to an uninterrupted run (fp32; full and incremental checkpoints).
+weights identical to an uninterrupted run (fp32; full and incremental checkpoints). Under
+``torchrun --max-restarts`` the restarted workers resume by themselves, with the same result.
 
     python -m pytest tests/integration/test_checkpoint_kill.py -q
 """
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from neorec.config import load_config
@@ -26,10 +28,17 @@ SMALL = ["data.synthetic.num_train_samples=1200", "data.synthetic.num_eval_sampl
          "checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=1.5", "train.num_threads=1"]
 
 
-def command(directory: Path, *extra):
+def train_args(directory: Path):
     sets = [a for s in SMALL + [f"checkpoint.dir='{directory}'", f"train.output_dir='{directory / 'out'}'"]
             for a in ("--set", s)]
-    return [sys.executable, "-m", "neorec", "train", "--config", TINY, "--nproc", "2", "--no-progress", *sets, *extra]
+    return ["train", "--config", TINY, "--no-progress", *sets]
+
+
+def command(directory: Path, *extra):
+    return [sys.executable, "-m", "neorec", *train_args(directory), "--nproc", "2", *extra]
+
+
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 def children(pid: int):
@@ -55,31 +64,59 @@ def final_state(directory: Path):
     return trainer.step, state
 
 
-def test_sigkill_a_rank_then_resume_equals_uninterrupted(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    reference = subprocess.run(command(tmp_path / "ref"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(step, state) of the uninterrupted 2-rank run."""
+    directory = tmp_path_factory.mktemp("ref")
+    run = subprocess.run(command(directory), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return final_state(directory)
 
-    job = subprocess.Popen(command(tmp_path / "job"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+
+def kill_rank1_after_step6(job: subprocess.Popen, directory: Path, workers_of: int) -> None:
+    """Wait for the checkpoint of step 6, then SIGKILL rank 1 (the younger child of ``workers_of``)."""
     deadline = time.monotonic() + 200
-    while not (tmp_path / "job" / "step-000000006" / "manifest.json").exists():
+    while not (directory / "step-000000006" / "manifest.json").exists():
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.02)
-    ranks = children(job.pid)
+    ranks = children(workers_of)
     assert len(ranks) == 2
-    os.kill(max(ranks), signal.SIGKILL)  # the younger child: rank 1
+    os.kill(max(ranks), signal.SIGKILL)
+
+
+def assert_same_final_state(reference, directory: Path):
+    step, expected = reference
+    resumed_step, actual = final_state(directory)
+    assert step == resumed_step == 18
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), key
+
+
+def test_sigkill_a_rank_then_resume_equals_uninterrupted(tmp_path, reference):
+    job = subprocess.Popen(command(tmp_path / "job"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    kill_rank1_after_step6(job, tmp_path / "job", job.pid)
     _, stderr = job.communicate(timeout=120)
     assert job.returncode != 0, "the job finished before the kill; the test needs a slower run"
     assert not (tmp_path / "job" / "step-000000018").exists()
 
-    resumed = subprocess.run(command(tmp_path / "job", "--resume", str(tmp_path / "job")), cwd=ROOT, env=env,
+    resumed = subprocess.run(command(tmp_path / "job", "--resume", str(tmp_path / "job")), cwd=ROOT, env=ENV,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "checkpoint: resumed from" in resumed.stdout
 
-    step, expected = final_state(tmp_path / "ref")
-    resumed_step, actual = final_state(tmp_path / "job")
-    assert step == resumed_step == 18
-    for key in expected:
-        assert torch.equal(expected[key], actual[key]), key
+    assert_same_final_state(reference, tmp_path / "job")
+
+
+def test_torchrun_restart_resumes_by_itself(tmp_path, reference):
+    # torchrun restarts both workers after the kill; they join a fresh attempt (their own key prefix in
+    # the agent's store) and continue from the newest complete checkpoint (checkpoint.auto_resume)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "2", "-m", "neorec"]
+    job = subprocess.Popen(torchrun + train_args(tmp_path / "job"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    kill_rank1_after_step6(job, tmp_path / "job", job.pid)  # the agent runs in torchrun's process
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "checkpoint: resumed from" in stdout, stdout[-3000:]
+    assert_same_final_state(reference, tmp_path / "job")

@@ -80,6 +80,23 @@ def test_resume_at_epoch_end_and_after_the_end(tmp_path):
     assert again.fit().samples == 0 and again.step == 16
 
 
+def test_resumed_run_continues_the_metrics_log(tmp_path):
+    # checkpoints at steps 4 and 8; the "crashed" run logs up to step 10, so steps 9-10 are trained again
+    log_args = ["train.log_every_steps=2", "checkpoint.save_final=false", *checkpoint_args(tmp_path, 4)]
+    make_trainer(tmp_path, "train.max_steps=10", *log_args).fit()
+    path = tmp_path / "run" / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"kind": "train", "st')  # a line torn by the crash
+    make_trainer(tmp_path, "train.max_steps=14", *log_args, resume=str(tmp_path / "ckpt")).fit()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    train_steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert train_steps == [2, 4, 6, 8, 10, 12, 14]  # 2-8 from the first run, 10-14 from the resumed one
+    assert [r["step"] for r in records if r["kind"] == "final"] == [14]
+    fresh = make_trainer(tmp_path, "train.max_steps=2", *log_args[:2], name="run")  # no resume: a new log
+    fresh.fit()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [2, 2]  # train, final
+
+
 def test_incremental_equals_full(tmp_path):
     extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
     trainer = make_trainer(tmp_path, "train.max_steps=9", *checkpoint_args(tmp_path, 3, *extra))
