@@ -150,9 +150,29 @@ class DotInteraction(InteractionArch):
                 f"{dim}] to match dense {tuple(dense.shape)}, got {tuple(sparse.shape)}"
             )
         vectors = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, F+1, D]
-        gram = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, F+1, F+1]
-        pairs = gram.flatten(1).index_select(1, self.flat_pair_index)  # [B, P]
+        pairs = _PairwiseDots.apply(vectors, self.flat_pair_index)  # [B, P]
         return torch.cat([dense, pairs], dim=1)
+
+
+class _PairwiseDots(torch.autograd.Function):
+    """pairs[b, k] = <v[b, i_k], v[b, j_k]> for the pairs named by ``flat_index`` (= i * n + j) of
+    the Gram matrix v v^T. Autograd's own backward of ``bmm(v, v^T)`` runs two batched matmuls on
+    transposed (strided) operands; since the Gram matrix is symmetric, the gradient is one:
+    dv = (S + S^T) v with S the pair gradients scattered into [n, n]. Operands are contiguous
+    (the strided bmm is ~1.5x slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx, vectors: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(vectors, flat_index)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2).contiguous())
+        return gram.flatten(1).index_select(1, flat_index)
+
+    @staticmethod
+    def backward(ctx, grad_pairs: torch.Tensor):
+        vectors, flat_index = ctx.saved_tensors
+        batch, n, _ = vectors.shape
+        scattered = grad_pairs.new_zeros(batch, n * n).index_copy_(1, flat_index, grad_pairs).view(batch, n, n)
+        return torch.bmm(scattered + scattered.transpose(1, 2), vectors), None
 
 
 class DCNInteraction(InteractionArch):

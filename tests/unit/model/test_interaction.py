@@ -33,6 +33,24 @@ def test_dot_matches_naive_loop(num_features, self_interaction):
     torch.testing.assert_close(out, naive_dot(dense, sparse, self_interaction))
 
 
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_gradient_matches_naive_loop(self_interaction):
+    torch.manual_seed(1)
+    batch, dim, num_features = 4, 3, 5
+    dense, sparse = torch.randn(batch, dim, dtype=torch.float64), torch.randn(batch, num_features, dim,
+                                                                               dtype=torch.float64)
+    layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim)
+    upstream = torch.randn(batch, layer.output_dim, dtype=torch.float64)
+    grads = []
+    for fn in (layer, lambda d, s: naive_dot(d, s, self_interaction)):
+        d, s = dense.clone().requires_grad_(), sparse.clone().requires_grad_()
+        (fn(d, s) * upstream).sum().backward()
+        grads.append((d.grad, s.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+    torch.autograd.gradcheck(lambda d, s: layer(d, s), (dense.clone().requires_grad_(),
+                                                         sparse.clone().requires_grad_()))
+
+
 def test_dot_index_buffer_moves_with_module_but_is_not_checkpointed():
     layer = DotInteraction(3)
     assert "flat_pair_index" in dict(layer.named_buffers())
