@@ -137,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.report:
         from pathlib import Path
 
-        from neorec.sharding.files import write_atomic
+        from neorec.files import write_atomic
 
         write_atomic(Path(args.report), json.dumps(report, indent=1) + "\n")
         print(f"report: {args.report}")

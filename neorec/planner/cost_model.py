@@ -32,7 +32,7 @@ ignored, and the receiving side of the all-to-all (uniform over ranks) is left t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 from neorec.planner.topology import Topology

@@ -149,7 +149,6 @@ def evaluate_plan(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Top
     a ``PlanResult`` whose per-rank costs and memory can be compared and simulated. Pieces are
     costed as even pieces of their type; ``tiers`` per table default to "device"."""
     from neorec.planner.cost_model import piece_cost
-    from neorec.planner.enumerate import Capacity
 
     specs = {t.name: t for t in tables}
     plan.validate([_table_config(t) for t in tables], topology.world_size)

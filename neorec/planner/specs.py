@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from neorec.files import read_json_file
 from neorec.planner.cost_model import TableSpec
 from neorec.planner.presets import DenseModel
 
@@ -24,12 +24,7 @@ def load_table_specs(path: str | Path) -> Tuple[List[TableSpec], DenseModel, Opt
     """(tables, dense model, batch size or None) from a JSON file; ValueError naming the file,
     the table and the key on bad input."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"table-spec file {str(p)!r} not found")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"table-spec file {p}: not valid JSON: {exc}") from None
+    data = read_json_file(p, "table-spec file")
     if not isinstance(data, dict) or not isinstance(data.get("tables"), list) or not data["tables"]:
         raise ValueError(f"table-spec file {p}: expected an object with a non-empty 'tables' list")
     extra = sorted(set(data) - FILE_KEYS)

@@ -107,20 +107,15 @@ class Topology:
         return cls(**dict(data))
 
     def save(self, path: str | Path) -> None:
-        from neorec.sharding.files import write_atomic
+        from neorec.files import write_atomic
 
         write_atomic(Path(path), json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"topology file {str(p)!r} not found")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"topology file {p}: not valid JSON: {exc}") from None
-        return cls.from_dict(data, f"topology file {p}")
+        from neorec.files import read_json_file
+
+        return cls.from_dict(read_json_file(path, "topology file"), f"topology file {path}")
 
 
 # ---------------------------------------------------------------------------------- presets

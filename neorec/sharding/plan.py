@@ -185,7 +185,7 @@ class ShardingPlan:
 
     def save(self, path: str | Path) -> None:
         """Write the JSON atomically (temp file, fsync, rename)."""
-        from neorec.sharding.files import write_atomic
+        from neorec.files import write_atomic
 
         write_atomic(Path(path), self.to_json() + "\n")
 

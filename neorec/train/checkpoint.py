@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from neorec.train.checkpoint_config import CheckpointConfig
-from neorec.train.checkpoint_files import load_tensors, save_tensors, sha256_file, write_atomic
+from neorec.files import write_atomic
+from neorec.train.checkpoint_files import load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import count_modified, model_pieces, piece_bytes, restore_pieces, save_pieces
 
 FORMAT = "neorec-checkpoint-1"

@@ -1,8 +1,9 @@
 """Checkpoint files: atomic writes, checksums, tensor files read without unpickling, and per-row
 quantization of embedding rows (Check-N-Run).
 
-- ``write_atomic(path, data)``: temp file in the same directory, fsync, rename, fsync the
-  directory: a crash leaves either the old file or the new one, never a torn one under ``path``.
+Files are written with ``neorec.files.write_atomic`` (temp file, fsync, rename, fsync of the
+directory): a crash leaves either the old file or the new one, never a torn one.
+
 - ``save_tensors(path, tensors)``: a flat ``{name: tensor}`` dict written with ``torch.save`` (to
   memory, then atomically); ``load_tensors`` reads it back with ``torch.load(weights_only=True)``
   (no arbitrary objects are unpickled) and returns the dict.
@@ -18,29 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
 
+from neorec.files import write_atomic
+
 ROW_BITS = (32, 8, 4, 2)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync of the directory)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> int:

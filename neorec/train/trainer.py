@@ -28,6 +28,7 @@ from neorec.config import Config, DenseOptimizerConfig
 from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
+from neorec.files import write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.model import DLRM, dense_parameters
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
@@ -128,7 +129,7 @@ class MetricsLog:
                 if isinstance(record, dict) and isinstance(record.get("step"), int) \
                         and record["step"] <= continue_after_step:
                     kept.append(line + "\n")
-            _write_atomic(path, "".join(kept))
+            write_atomic(path, "".join(kept))
         self._file = path.open("a" if kept else "w")
 
     def write(self, record: Dict[str, Any]) -> None:
@@ -310,7 +311,7 @@ class Trainer:
         log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None)
         if writes:
             writes.mkdir(parents=True, exist_ok=True)
-            _write_atomic(writes / "config.json", self.cfg.to_json())
+            write_atomic(writes / "config.json", self.cfg.to_json())
         total_steps = steps_per_epoch * cfg.epochs if cfg.epochs else cfg.max_steps
         if cfg.max_steps:
             total_steps = min(total_steps, cfg.max_steps)
@@ -403,12 +404,3 @@ class Trainer:
 def _format_eval(step: int, m: Dict[str, float]) -> str:
     return (f"eval @ step {step}: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
             f"calibration {m['calibration']:.3f}  ({int(m['num_samples'])} samples)")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from neorec.embedding import EmbeddingBagCollection  # noqa: E402
-from neorec.embedding.config import SparseOptimizerConfig, StorageConfig  # noqa: E402
+from neorec.embedding.config import SparseOptimizerConfig  # noqa: E402
 from neorec.embedding.tbe import TableBatchedEmbeddingBags  # noqa: E402
 
 from test_triton_tbe_module import TABLES, make_features  # noqa: E402

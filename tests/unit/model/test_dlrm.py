@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from neorec.model import DLRM, DenseArch, OverArch, dense_named_parameters, dense_parameters
 from neorec.sparse.jagged import KeyedJaggedTensor
-from neorec.sparse.keyed import KeyedTensor
 
 TABLES = {"user": (20, 4), "item": (30, 4), "genre": (5, 4)}
 
