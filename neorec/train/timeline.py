@@ -31,7 +31,6 @@ clock is read.
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,11 +171,6 @@ class StepTimeline:
 
     def write_json(self, path: Path, extra: Optional[Dict[str, object]] = None) -> None:
         """Atomic write of ``summary()`` (plus ``extra``) to ``path``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w") as f:
-            json.dump({**self.summary(), **(extra or {})}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        from neorec.files import write_atomic
+
+        write_atomic(path, json.dumps({**self.summary(), **(extra or {})}, indent=2, sort_keys=True))
