@@ -39,6 +39,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from bench_triton_tbe import copy_bandwidth, timing_device  # same folder (run as a script)
+
 
 @dataclass
 class CacheBenchConfig:
@@ -107,14 +109,6 @@ def timed_call(function: Callable, before: Callable, device: torch.device) -> fl
     return (time.perf_counter() - began) * 1e3
 
 
-def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
-    """Measured device copy bandwidth in GB/s (read + write)."""
-    source = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    times = [timed_call(lambda: target.copy_(source), lambda: None, device) for _ in range(repeats + 1)][1:]
-    return 2 * source.numel() * 4 / (statistics.median(times) * 1e-3) / 1e9
-
-
 def run_config(config: CacheBenchConfig, device: torch.device, repeats: int, copy_gbs: float) -> Dict:
     caches = {}
     for kernel in ("torch", "triton"):
@@ -175,21 +169,12 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, triton interpreter: code paths only")
     args = parser.parse_args(argv)
 
+    device = timing_device("bench_triton_cache", args.smoke, "tests/gpu/test_triton_cache.py")
+    if device is None:
+        return 0
+    configs = SMOKE if args.smoke else CONFIGS
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-        device, configs, args.repeats = torch.device("cpu"), SMOKE, 2
-    elif not torch.cuda.is_available():
-        print("bench_triton_cache: no CUDA device here; this benchmark times GPU kernels and needs one. "
-              "(The kernels' correctness is checked on CPU by `python -m pytest tests/gpu/test_triton_cache.py`; "
-              "`--smoke` runs this script's code paths on CPU in triton's interpreter.)", file=sys.stderr)
-        return 0
-    else:
-        device, configs = torch.device("cuda"), CONFIGS
-    from neorec.embedding.kernels import triton_available
-
-    if not triton_available():
-        print("bench_triton_cache: triton is not installed (pip install -e '.[gpu]')", file=sys.stderr)
-        return 0
+        args.repeats = 2
     import triton
 
     copy_gbs = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 24), 5)

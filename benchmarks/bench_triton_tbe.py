@@ -215,6 +215,27 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
     return 2 * source.numel() * 4 / (statistics.median(times) * 1e-3) / 1e9
 
 
+def timing_device(script: str, smoke: bool, tests: str) -> torch.device | None:
+    """The device a GPU-kernel benchmark times on: the CPU in triton's interpreter with ``--smoke``
+    (code paths only), CUDA otherwise; None, after saying why, without CUDA or without triton."""
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print(f"{script}: no CUDA device here; this benchmark times GPU kernels and needs one. "
+              f"(The kernels' correctness is checked on CPU by `python -m pytest {tests}`; "
+              "`--smoke` runs this script's code paths on CPU in triton's interpreter.)", file=sys.stderr)
+        return None
+    else:
+        device = torch.device("cuda")
+    from neorec.embedding.kernels import triton_available
+
+    if not triton_available():
+        print(f"{script}: triton is not installed (pip install -e '.[gpu]')", file=sys.stderr)
+        return None
+    return device
+
+
 def check_forward(contenders, batch: Batch) -> float:
     """Max abs difference between the Triton fp32 forward and the concatenated torch forward."""
     triton_output = contenders["triton_fp32"]["forward"](batch)
@@ -231,21 +252,12 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, triton interpreter: code paths only")
     args = parser.parse_args(argv)
 
+    device = timing_device("bench_triton_tbe", args.smoke, "tests/gpu")
+    if device is None:
+        return 0
+    configs = SMOKE if args.smoke else CONFIGS
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-        device, configs, args.repeats, args.steps, args.num_batches = torch.device("cpu"), SMOKE, 1, 1, 2
-    elif not torch.cuda.is_available():
-        print("bench_triton_tbe: no CUDA device here; this benchmark times GPU kernels and needs one. "
-              "(The kernels' correctness is checked on CPU by `python -m pytest tests/gpu`; "
-              "`--smoke` runs this script's code paths on CPU in triton's interpreter.)", file=sys.stderr)
-        return 0
-    else:
-        device, configs = torch.device("cuda"), CONFIGS
-    from neorec.embedding.kernels import triton_available
-
-    if not triton_available():
-        print("bench_triton_tbe: triton is not installed (pip install -e '.[gpu]')", file=sys.stderr)
-        return 0
+        args.repeats, args.steps, args.num_batches = 1, 1, 2
     import triton
 
     copy_gbs = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 24), args.repeats)
