@@ -99,9 +99,9 @@ class HalfCodec(Codec):
         if not bool(torch.isfinite(largest)):
             raise ValueError("quantized communication (fp16): a non-finite value in the pooled embeddings or "
                              "their gradients; check the learning rates")
-        exponent = torch.frexp(largest)[1] if float(largest) > 0 else torch.tensor(self._TARGET_EXPONENT + 1)
+        exponent = torch.frexp(largest)[1]  # 0 for an all-zero block: any scale encodes it exactly
         scale = torch.ldexp(torch.ones(1, device=block.device),
-                            (self._TARGET_EXPONENT + 1 - exponent).clamp(-126, 127).reshape(1).to(block.device))
+                            (self._TARGET_EXPONENT + 1 - exponent).clamp(-126, 127).reshape(1))
         half = (block * scale).to(torch.float16)
         return torch.cat([scale.view(torch.uint8), half.view(torch.uint8)])
 
