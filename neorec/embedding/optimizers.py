@@ -26,6 +26,7 @@ from typing import Dict, Tuple
 import torch
 
 from neorec.embedding.config import SPARSE_OPTIMIZERS, SparseOptimizerConfig
+from neorec.embedding.memory import empty_huge
 from neorec.embedding.precision import Rounder
 
 # state name -> "row" (one fp32 value per row) or "element" (one per weight element)
@@ -46,7 +47,7 @@ def create_state(
     out = {}
     for name, layout in STATE_LAYOUT[config.kind]:
         size = num_rows if layout == "row" else num_elements
-        out[name] = torch.full((size,), float(initial), dtype=torch.float32, device=device)
+        out[name] = empty_huge(size, torch.float32, device).fill_(float(initial))
     return out
 
 

@@ -36,10 +36,13 @@ from torch import nn
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.layout import DimGroup, build_layout
 from neorec.embedding.lookup import GroupLookup, prepare_lookups
+from neorec.embedding.memory import empty_huge
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
 from neorec.embedding.replicas import ReplicaGradients
-from neorec.embedding.triton_path import KERNELS, TritonPath, choose_kernel
+from neorec.embedding.kernel_choice import check_kernel, choose_kernel
+from neorec.embedding.native_path import NativePath
+from neorec.embedding.triton_path import TritonPath
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
@@ -83,9 +86,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             buffer) goes to ``gradient_reducer`` (e.g. an all-reduce average, in place) and the
             optimizer then steps their rows with a non-zero gradient (``replicas.py``).
         gradient_reducer: ``callable(grad)`` for ``dense_gradient_tables``; None = no reduction.
-        kernel: "auto" (Triton kernels for CUDA weights when triton is installed and the
-            optimizer has a kernel, else torch ops), "torch", or "triton" (insist; on CPU tensors
-            only under ``TRITON_INTERPRET=1``). See ``triton_path.py``.
+        kernel: "auto" (Triton kernels for CUDA weights, the native C kernels for CPU fp32
+            weights with SGD / AdaGrad / row-wise AdaGrad, torch ops otherwise), "torch",
+            "native" or "triton" (insist; Triton on CPU tensors only under
+            ``TRITON_INTERPRET=1``). See ``kernel_choice.py``.
     """
 
     def __init__(
@@ -127,7 +131,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             if dense_gradient_tables else None
         self._rounder = Rounder(storage_dtype(self.storage.precision), self.storage.stochastic_rounding, self.storage.seed)
 
-        weights = torch.empty(self.layout.num_elements, dtype=storage_dtype(self.storage.precision))
+        weights = empty_huge(self.layout.num_elements, storage_dtype(self.storage.precision))  # host: init
         self._initialize(weights, init_seed)
         self.register_buffer("weights", weights.to(device))
         for name, buffer in create_state(self.optimizer, self.layout.num_rows, self.layout.num_elements, device).items():
@@ -139,11 +143,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.register_buffer("rounding_rng_state", self._rounder.get_state())
             self.register_state_dict_pre_hook(_save_rounding_state)
             self.register_load_state_dict_post_hook(_load_rounding_state)
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        self.kernel = kernel
+        self.kernel = check_kernel(kernel)
         self._triton = TritonPath(self)
-        self._kernel_by_device: Dict[str, bool] = {}
+        self._native = NativePath(self)
+        self._kernel_by_device: Dict[str, str] = {}
         # [num_rows] bool, layout row order: rows updated since the last take_modified_rows()
         # (Check-N-Run incremental checkpoints); None = not tracking (no cost)
         self.modified_rows: Optional[torch.Tensor] = None
@@ -253,7 +256,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         bag gives zeros. Returns a ``KeyedTensor`` with values [B, sum(feature_dims)] fp32
         (accumulated in fp32 whatever the storage precision). With grad enabled, the backward
         of these values updates the touched rows in place."""
-        if self._uses_triton():
+        path = self.kernel_path()
+        if path == "native":
+            return KeyedTensor(self.feature_names, self.feature_dims, self._native.forward(features))
+        if path == "triton":
             return KeyedTensor(self.feature_names, self.feature_dims, self._triton.forward(features))
         lookups = prepare_lookups(self.layout, features, self.weights.device)
         batch_size = features.batch_size
@@ -264,11 +270,16 @@ class TableBatchedEmbeddingBags(nn.Module):
             values = self._pool(lookups, batch_size)
         return KeyedTensor(self.feature_names, self.feature_dims, values)
 
-    def _uses_triton(self) -> bool:
+    def kernel_path(self) -> str:
+        """"native", "triton" or "torch": what runs this module's lookups on its current device
+        (``kernel_choice.py``; chosen once per device)."""
         device = str(self.weights.device)
         if device not in self._kernel_by_device:
             self._kernel_by_device[device] = choose_kernel(self, self.kernel)
         return self._kernel_by_device[device]
+
+    def _uses_triton(self) -> bool:
+        return self.kernel_path() == "triton"
 
     def _pool(self, lookups: List[GroupLookup], batch_size: int) -> torch.Tensor:
         """[B, total_dim] fp32 pooled embeddings, features in ``feature_names`` order."""

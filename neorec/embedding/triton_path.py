@@ -21,7 +21,6 @@ from neorec.sparse.jagged import KeyedJaggedTensor
 if TYPE_CHECKING:  # pragma: no cover
     from neorec.embedding.tbe import TableBatchedEmbeddingBags
 
-KERNELS = ("auto", "torch", "triton")
 TRITON_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 
 
@@ -36,20 +35,6 @@ def triton_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[s
     if module.dense_gradient or module._replicas is not None:
         return "dense-gradient tables use the torch path"
     return None
-
-
-def choose_kernel(module: "TableBatchedEmbeddingBags", kernel: str) -> bool:
-    """True to use Triton. "auto" takes it for CUDA weights when possible; "triton" insists."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "torch":
-        return False
-    reason = triton_unsupported_reason(module)
-    if kernel == "triton":
-        if reason is not None:
-            raise ValueError(f"kernel='triton' was asked for but {reason}")
-        return True
-    return reason is None and module.weights.is_cuda
 
 
 class _TritonLookup(torch.autograd.Function):

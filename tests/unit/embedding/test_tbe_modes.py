@@ -22,10 +22,12 @@ from neorec.sparse import KeyedJaggedTensor
 from test_tbe_reference import KINDS, make_batch, make_tables
 
 
-def train(kind: str, precision: str, dense_gradient: bool = False, steps: int = 3, seed: int = 0):
+def train(kind: str, precision: str, dense_gradient: bool = False, steps: int = 3, seed: int = 0,
+          kernel: str = "auto"):
     tables = make_tables("mixed")
     config = SparseOptimizerConfig(kind, learning_rate=0.05, weight_decay=0.01)
-    fused = TableBatchedEmbeddingBags(tables, config, StorageConfig(precision, seed=5), dense_gradient=dense_gradient)
+    fused = TableBatchedEmbeddingBags(tables, config, StorageConfig(precision, seed=5), dense_gradient=dense_gradient,
+                                      kernel=kernel)
     generator = torch.Generator().manual_seed(seed)
     outputs = []
     for _ in range(steps):
@@ -46,12 +48,13 @@ def assert_same_bits(a: TableBatchedEmbeddingBags, b: TableBatchedEmbeddingBags)
         assert torch.equal(sa[key], sb[key]), key
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])  # auto: the native kernels where they serve
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_two_identical_runs_give_identical_bits(kind, precision, monkeypatch):
+def test_two_identical_runs_give_identical_bits(kind, precision, kernel, monkeypatch):
     monkeypatch.setattr(tbe_module, "_CHUNK_BYTES", 100)
-    first, out1 = train(kind, precision)
-    second, out2 = train(kind, precision)
+    first, out1 = train(kind, precision, kernel=kernel)
+    second, out2 = train(kind, precision, kernel=kernel)
     assert_same_bits(first, second)
     assert all(torch.equal(x, y) for x, y in zip(out1, out2))
     assert first.step_count == 3
@@ -62,8 +65,9 @@ def test_two_identical_runs_give_identical_bits(kind, precision, monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_dense_gradient_mode_equals_fused_mode(kind, precision, monkeypatch):
+    """The dense-gradient mode (torch ops) does the torch path's fused arithmetic, bit for bit."""
     monkeypatch.setattr(tbe_module, "_CHUNK_BYTES", 100)
-    fused, out_fused = train(kind, precision)
+    fused, out_fused = train(kind, precision, kernel="torch")
     dense, out_dense = train(kind, precision, dense_gradient=True)
     assert all(torch.equal(x, y) for x, y in zip(out_fused, out_dense))
     assert dense.dense_grad is not None and not dense.dense_grad.any()

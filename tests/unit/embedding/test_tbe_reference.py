@@ -13,12 +13,14 @@ import pytest
 import torch
 from torch import nn
 
+import neorec.embedding.kernels.cpu_native as cpu_native
 import neorec.embedding.lookup as lookup_module
 import neorec.embedding.tbe as tbe_module
 from neorec.embedding import SparseOptimizerConfig, StorageConfig, TableBatchedEmbeddingBags, TableConfig
 from neorec.sparse import KeyedJaggedTensor
 
 KINDS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
+NATIVE_KINDS = ["sgd", "adagrad", "rowwise_adagrad"]
 PRECISIONS = ["fp32", "fp16", "bf16"]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": dict(rtol=1e-5, atol=1e-6), "fp16": dict(rtol=2e-3, atol=1e-4), "bf16": dict(rtol=1.6e-2, atol=1e-3)}
@@ -122,11 +124,25 @@ class Reference:
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_matches_reference(kind, pooling, weighted, precision, monkeypatch):
     monkeypatch.setattr(tbe_module, "_CHUNK_BYTES", 48)  # a few rows per chunk: exercise chunking
+    check_against_reference(kind, pooling, weighted, precision, "torch", monkeypatch)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", False), ("mixed", True)])
+@pytest.mark.parametrize("kind", NATIVE_KINDS)
+def test_native_kernels_match_reference(kind, pooling, weighted, threads, monkeypatch):
+    """The C kernels (kernel="native"), on one thread and with the work split over three."""
+    monkeypatch.setattr(cpu_native, "_threads", lambda work: threads)
+    check_against_reference(kind, pooling, weighted, "fp32", "native", monkeypatch)
+
+
+def check_against_reference(kind: str, pooling: str, weighted: bool, precision: str, kernel: str, monkeypatch) -> None:
     tables = make_tables(pooling)
     config = SparseOptimizerConfig(kind, learning_rate=0.1, weight_decay=0.01 if kind != "sgd" else 0.0,
                                    initial_accumulator_value=0.1 if "adagrad" in kind else 0.0)
     storage = StorageConfig(precision, stochastic_rounding=False)
-    fused = TableBatchedEmbeddingBags(tables, config, storage, init_seed=3)
+    fused = TableBatchedEmbeddingBags(tables, config, storage, init_seed=3, kernel=kernel)
+    assert fused.kernel_path() == kernel
     reference = Reference(fused, config, precision)
     generator = torch.Generator().manual_seed(11)
     tolerance = TOLERANCE[precision]

@@ -1,0 +1,131 @@
+"""The native CPU path of ``TableBatchedEmbeddingBags``: the same flat buffers, pooled by the C
+forward and updated by the C backward fused with the optimizer (``kernels/cpu_tbe.c``, built on
+first use by ``kernels/cpu_native.py``).
+
+Against the torch path (``F.embedding_bag`` per dim group, a NumPy sort, ``index_add_``) it reads
+the KeyedJaggedTensor as it is (no per-group id shift, no batch-major reorder, no transpose of the
+pooled output), sorts the ids by row with a radix sort, and updates each touched row in one pass
+(its gradient, the optimizer state and the weights while the row is in cache).
+
+The module picks it (``kernel="auto"``) for CPU fp32 weights with SGD, AdaGrad or row-wise
+AdaGrad and no dense-gradient tables, when the kernels build; otherwise it keeps the torch path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from neorec.embedding.kernels.cpu_native import KIND_CODES, NativeKernels, native_available
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+
+NATIVE_OPTIMIZERS = tuple(KIND_CODES)
+
+
+def native_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[str]:
+    """Why the native path cannot serve ``module`` (None when it can)."""
+    if module.weights.device.type != "cpu":
+        return f"the weights are on {module.weights.device}, the native kernels run on the CPU"
+    if module.weights.dtype != torch.float32:
+        return f"the native kernels take fp32 weights, these are {module.weights.dtype}"
+    if module.optimizer.kind not in NATIVE_OPTIMIZERS:
+        return f"optimizer {module.optimizer.kind!r} has no native kernel (have {NATIVE_OPTIMIZERS})"
+    if module.dense_gradient or module._replicas is not None:
+        return "dense-gradient tables use the torch path"
+    if module.layout.num_rows > 2**32:
+        return f"{module.layout.num_rows} rows: the native kernels take at most 2^32 rows per module"
+    return native_available()
+
+
+class _NativeLookup(torch.autograd.Function):
+    """Forward: the pooled lookup; backward: the fused gradient + optimizer step. ``anchor`` is a
+    scalar leaf that requires grad, so that autograd calls ``backward`` (the weights are buffers)."""
+
+    @staticmethod
+    def forward(ctx, anchor, path, ids, offsets, weights, batch_size):  # type: ignore[override]
+        ctx.path, ctx.inputs = path, (ids, offsets, weights, batch_size)
+        return path.pool(ids, offsets, weights, batch_size)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.path.backward(*ctx.inputs, grad_output)
+        return None, None, None, None, None, None
+
+
+class NativePath:
+    """Forward and fused backward of one ``TableBatchedEmbeddingBags`` on the native kernels."""
+
+    def __init__(self, module: "TableBatchedEmbeddingBags") -> None:
+        self.module = module
+        self._kernels: Optional[NativeKernels] = None
+
+    def kernels(self) -> NativeKernels:
+        if self._kernels is None:
+            m = self.module
+            columns = [0]
+            for dim in m.feature_dims:
+                columns.append(columns[-1] + dim)
+            self._kernels = NativeKernels(
+                table_dims=m.table_dims, table_rows=m.table_rows, table_offsets=m.table_offsets,
+                table_row_offsets=m.table_row_offsets, feature_table=m.layout.feature_tables,
+                feature_mean=[m.tables[t].pooling == "mean" for t in m.layout.feature_tables],
+                col_offsets=columns[:-1], total_rows=m.layout.num_rows,
+            )
+        return self._kernels
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, total_dim] fp32 pooled embeddings, features in ``module.feature_names`` order."""
+        m = self.module
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+        keys = features.keys()
+        if keys != m.feature_names:
+            missing = [k for k in m.feature_names if k not in keys]
+            if missing:
+                raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {m.feature_names}")
+            features = features.permute([keys.index(k) for k in m.feature_names])
+        if features.values.device != m.weights.device:
+            raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {m.weights.device}")
+        weights = features.weights
+        if weights is not None:
+            if weights.requires_grad and torch.is_grad_enabled():
+                raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
+                                 "differentiate with respect to per-value weights; pass weights.detach()")
+            weights = weights.detach().to(torch.float32).contiguous()
+        ids = features.values.to(torch.int64).contiguous()
+        offsets = features.offsets()
+        batch_size = features.batch_size
+        if not torch.is_grad_enabled():
+            return self.pool(ids, offsets, weights, batch_size)
+        anchor = torch.zeros((), requires_grad=True)
+        return _NativeLookup.apply(anchor, self, ids, offsets, weights, batch_size)
+
+    def pool(self, ids: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor],
+             batch_size: int) -> torch.Tensor:
+        """[B, total_dim] pooled; ValueError naming the feature and table of an id outside its table."""
+        pooled, bad = self.kernels().forward(self.module.weights, ids, offsets, weights, batch_size)
+        if bad >= 0:
+            self._raise_bad_id(ids, offsets, batch_size, bad)
+        return pooled
+
+    def _raise_bad_id(self, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, position: int) -> None:
+        m = self.module
+        bag = int(torch.searchsorted(offsets, torch.tensor([position]), right=True)[0]) - 1
+        feature = bag // batch_size
+        table = m.tables[m.layout.feature_tables[feature]]
+        raise ValueError(f"feature {m.feature_names[feature]!r} (table {table.name!r}): id {int(ids[position])} "
+                         f"is outside the table's rows [0, {table.num_embeddings})")
+
+    @torch.no_grad()
+    def backward(self, ids, offsets, weights, batch_size, grad_output) -> None:
+        m = self.module
+        m.step += 1
+        opt = m.optimizer
+        self.kernels().backward_update(
+            opt.kind, m.weights, getattr(m, "momentum1", None), ids, offsets, weights, batch_size,
+            grad_output.to(torch.float32).contiguous(), learning_rate=opt.learning_rate, eps=opt.eps,
+            weight_decay=opt.weight_decay, modified=m.modified_rows)

@@ -1,0 +1,165 @@
+"""The native CPU kernels (``kernel="native"``, ``neorec/embedding/kernels/cpu_tbe.c``): the choice
+of path, the build, large batches against the torch path, determinism over thread counts, and the
+huge-page buffers. (Small cases against the plain reference: test_tbe_reference.py.)
+
+    python -m pytest tests/unit/embedding/test_native_kernels.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import neorec.embedding.kernels.cpu_native as cpu_native
+from neorec.embedding import SparseOptimizerConfig, StorageConfig, TableBatchedEmbeddingBags, TableConfig
+from neorec.embedding.memory import MIN_BYTES, advise_huge_pages, empty_huge
+from neorec.sparse import KeyedJaggedTensor
+
+from test_tbe_reference import make_batch, make_tables
+
+
+def big_tables():
+    """Enough rows for three radix passes (2^19 > 2^18 rows), two dims, a table with two features."""
+    return [
+        TableConfig("wide", 600_000, 16, ["w1", "w2"]),
+        TableConfig("small", 300, 64, ["s"], pooling="mean"),
+        TableConfig("mid", 40_000, 16, ["m"]),
+    ]
+
+
+def big_batch(generator: torch.Generator, batch_size: int = 512, weighted: bool = True) -> KeyedJaggedTensor:
+    rows = {"w1": 600_000, "w2": 600_000, "s": 300, "m": 40_000}
+    lengths = torch.randint(0, 12, (len(rows), batch_size), generator=generator)
+    values = []
+    for k, (key, count) in enumerate(rows.items()):
+        hot = torch.randint(0, 50, (int(lengths[k].sum()),), generator=generator)  # repeated rows
+        cold = torch.randint(0, count, hot.shape, generator=generator)
+        values.append(torch.where(torch.rand(hot.shape, generator=generator) < 0.5, hot, cold))
+    values = torch.cat(values)
+    weights = torch.rand(values.numel(), generator=generator) if weighted else None
+    return KeyedJaggedTensor(list(rows), values, lengths.flatten(), weights)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_native_matches_torch_path_on_large_batches(kind, monkeypatch):
+    monkeypatch.setattr(cpu_native, "_threads", lambda work: 2)
+    config = SparseOptimizerConfig(kind, learning_rate=0.05, weight_decay=0.001)
+    torch_path = TableBatchedEmbeddingBags(big_tables(), config, init_seed=2, kernel="torch")
+    native = TableBatchedEmbeddingBags(big_tables(), config, init_seed=2, kernel="native")
+    torch_path.track_modified_rows()
+    native.track_modified_rows()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        kjt = big_batch(generator, weighted=step != 1)
+        grad = torch.randn(512, sum(native.feature_dims), generator=generator)
+        expected, got = torch_path(kjt).values, native(kjt).values
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        expected.backward(grad)
+        got.backward(grad)
+        torch.testing.assert_close(native.weights, torch_path.weights, rtol=1e-5, atol=1e-6)
+        if kind != "sgd":
+            torch.testing.assert_close(native.momentum1, torch_path.momentum1, rtol=1e-5, atol=1e-7)
+    assert torch.equal(native.modified_rows, torch_path.modified_rows) and native.modified_rows.any()
+
+
+def test_native_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
+    results = []
+    for threads in (1, 2, 4):
+        monkeypatch.setattr(cpu_native, "_threads", lambda work, threads=threads: threads)
+        module = TableBatchedEmbeddingBags(big_tables(), SparseOptimizerConfig("rowwise_adagrad"), init_seed=1,
+                                           kernel="native")
+        generator = torch.Generator().manual_seed(3)
+        outputs = []
+        for _ in range(2):
+            out = module(big_batch(generator)).values
+            outputs.append(out.detach().clone())
+            out.backward(torch.randn(out.shape, generator=generator))
+        results.append((module.weights.clone(), module.momentum1.clone(), outputs))
+    for weights, state, outputs in results[1:]:
+        assert torch.equal(weights, results[0][0]) and torch.equal(state, results[0][1])
+        assert all(torch.equal(a, b) for a, b in zip(outputs, results[0][2]))
+
+
+def test_auto_takes_native_where_it_serves_and_torch_elsewhere():
+    tables = make_tables("mixed")
+    for kind in ("sgd", "adagrad", "rowwise_adagrad"):
+        assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(kind)).kernel_path() == "native"
+    assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("adam")).kernel_path() == "torch"
+    assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), StorageConfig("bf16")).kernel_path() == "torch"
+    assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), dense_gradient=True).kernel_path() == "torch"
+    assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), kernel="torch").kernel_path() == "torch"
+    with pytest.raises(ValueError, match="kernel='native' was asked for but optimizer 'adam' has no native kernel"):
+        TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("adam"), kernel="native").kernel_path()
+    with pytest.raises(ValueError, match="kernel='native' was asked for but the native kernels take fp32"):
+        TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), StorageConfig("fp16"), kernel="native").kernel_path()
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), kernel="c")
+
+
+def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_library", None)
+    monkeypatch.setattr(cpu_native, "_failure", None)
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    assert "no C compiler found" in cpu_native.native_available()
+    tables = make_tables("sum")
+    fallback = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad"), init_seed=3)
+    assert fallback.kernel_path() == "torch"
+    kjt = make_batch(tables, 4, torch.Generator().manual_seed(0), weighted=False)
+    fallback(kjt).values.sum().backward()  # trains on torch ops
+    assert fallback.step_count == 1
+    with pytest.raises(ValueError, match="kernel='native' was asked for but no C compiler found"):
+        TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), kernel="native").kernel_path()
+
+
+def test_build_goes_to_the_cache_folder_and_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
+    compiler = cpu_native._compiler()
+    first = cpu_native._build(compiler)
+    assert first.parent == tmp_path and first.suffix == ".so" and first.stat().st_size > 0
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native._build(compiler) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_native_rejects_bad_ids_before_any_update():
+    tables = make_tables("sum")
+    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="native")
+    before = module.weights.clone()
+    kjt = KeyedJaggedTensor(["f_a1", "f_a2", "f_b", "f_c", "f_d"], torch.tensor([1, 2, 3, 29, 4]),
+                            torch.tensor([1, 1, 1, 1, 1]))
+    with pytest.raises(ValueError, match=r"feature 'f_c' \(table 't16'\): id 29 is outside the table's rows \[0, 29\)"):
+        module(kjt).values.sum().backward()
+    assert torch.equal(module.weights, before) and module.step_count == 0
+
+
+def test_native_forward_without_grad_and_empty_batches():
+    tables = make_tables("mixed")
+    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), kernel="native")
+    kjt = make_batch(tables, 5, torch.Generator().manual_seed(2), weighted=True)
+    with torch.no_grad():
+        out = module(kjt).values
+    assert not out.requires_grad and module.step_count == 0
+    reference = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), kernel="torch")
+    torch.testing.assert_close(out, reference(kjt).values)
+    keys = ["f_a1", "f_a2", "f_b", "f_c", "f_d"]
+    empty = KeyedJaggedTensor(keys, torch.zeros(0, dtype=torch.int64), torch.zeros(15, dtype=torch.int64))
+    pooled = module(empty).values
+    assert pooled.shape == (3, 44) and not pooled.any()
+    pooled.sum().backward()  # no ids: a step that touches nothing
+    assert module.step_count == 1
+    assert module(KeyedJaggedTensor(keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                    batch_size=0)).values.shape == (0, 44)
+
+
+def test_empty_huge_gives_a_plain_tensor_on_advised_pages():
+    big = empty_huge(MIN_BYTES // 4 + 12345, torch.float32)
+    assert big.shape == (MIN_BYTES // 4 + 12345,) and big.dtype == torch.float32 and big.is_contiguous()
+    big.fill_(2.0)
+    assert float(big.sum()) == 2.0 * big.numel()
+    assert not advise_huge_pages(torch.empty(10))  # small buffers are left alone
+    import sys
+    from pathlib import Path
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform.startswith("linux") and thp.exists() and "[never]" not in thp.read_text():
+        assert advise_huge_pages(torch.empty(MIN_BYTES // 4))
