@@ -1,6 +1,6 @@
 """The native CPU path of ``TableBatchedEmbeddingBags``: the same flat buffers, pooled by the C
-forward and updated by the C backward fused with the optimizer (``kernels/cpu_tbe.c``, built on
-first use by ``kernels/cpu_native.py``).
+forward and updated by the C backward fused with the optimizer (``neorec/native/tbe.c``, built on
+first use by ``neorec/native/build.py``; called through ``kernels/native_tbe.py``).
 
 Against the torch path (``F.embedding_bag`` per dim group, a NumPy sort, ``index_add_``) it reads
 the KeyedJaggedTensor as it is (no per-group id shift, no batch-major reorder, no transpose of the
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from neorec.embedding.kernels.cpu_native import KIND_CODES, NativeKernels, native_available
+from neorec.embedding.kernels.native_tbe import KIND_CODES, NativeKernels
+from neorec.native import native_available
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,8 +37,8 @@ def native_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[s
         return f"optimizer {module.optimizer.kind!r} has no native kernel (have {NATIVE_OPTIMIZERS})"
     if module.dense_gradient or module._replicas is not None:
         return "dense-gradient tables use the torch path"
-    if module.layout.num_rows > 2**32:
-        return f"{module.layout.num_rows} rows: the native kernels take at most 2^32 rows per module"
+    if max(module.table_rows) > 2**32:
+        return f"a table of {max(module.table_rows)} rows: the native kernels take at most 2^32 rows per table"
     return native_available()
 
 
@@ -73,7 +74,7 @@ class NativePath:
                 table_dims=m.table_dims, table_rows=m.table_rows, table_offsets=m.table_offsets,
                 table_row_offsets=m.table_row_offsets, feature_table=m.layout.feature_tables,
                 feature_mean=[m.tables[t].pooling == "mean" for t in m.layout.feature_tables],
-                col_offsets=columns[:-1], total_rows=m.layout.num_rows,
+                col_offsets=columns[:-1],
             )
         return self._kernels
 

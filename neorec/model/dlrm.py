@@ -23,11 +23,14 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from neorec.model.native_interaction import dot_interaction, native_interaction_supported
+from neorec.native import native_available
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
 EmbeddingDims = Union[Sequence[int], Mapping[str, int], Sequence[Tuple[str, int]], KeyedTensor]
 INTERACTIONS = ("dot", "dcn")
+INTERACTION_KERNELS = ("auto", "torch", "native")
 
 
 def dlrm_init_(linear: nn.Linear) -> None:
@@ -119,11 +122,15 @@ class DotInteraction(InteractionArch):
     """
 
     def __init__(
-        self, num_sparse_features: int, self_interaction: bool = False, embedding_dim: Optional[int] = None
+        self, num_sparse_features: int, self_interaction: bool = False, embedding_dim: Optional[int] = None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         if num_sparse_features < 0:
             raise ValueError(f"DotInteraction: num_sparse_features must be >= 0, got {num_sparse_features}")
+        if kernel not in INTERACTION_KERNELS:
+            raise ValueError(f"DotInteraction: kernel must be one of {INTERACTION_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
         self.num_sparse_features = int(num_sparse_features)
         self.self_interaction = bool(self_interaction)
         self.embedding_dim = None if embedding_dim is None else int(embedding_dim)
@@ -149,9 +156,23 @@ class DotInteraction(InteractionArch):
                 f"DotInteraction: sparse must be [B, F, D] = [{batch}, {self.num_sparse_features}, "
                 f"{dim}] to match dense {tuple(dense.shape)}, got {tuple(sparse.shape)}"
             )
+        if self._use_native(dense, sparse):
+            return dot_interaction(dense, sparse, self.self_interaction)
         vectors = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, F+1, D]
         pairs = _PairwiseDots.apply(vectors, self.flat_pair_index)  # [B, P]
         return torch.cat([dense, pairs], dim=1)
+
+
+    def _use_native(self, dense: torch.Tensor, sparse: torch.Tensor) -> bool:
+        if self.kernel == "torch":
+            return False
+        supported = native_interaction_supported(dense, sparse)
+        reason = None if supported else "the native interaction takes fp32 CPU tensors"
+        if supported:
+            reason = native_available()
+        if self.kernel == "native" and reason is not None:
+            raise ValueError(f"DotInteraction: kernel='native' was asked for but {reason}")
+        return reason is None
 
 
 class _PairwiseDots(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""The native CPU kernels (``kernel="native"``, ``neorec/embedding/kernels/cpu_tbe.c``): the choice
+"""The native CPU kernels (``kernel="native"``, ``neorec/native/tbe.c``): the choice
 of path, the build, large batches against the torch path, determinism over thread counts, and the
 huge-page buffers. (Small cases against the plain reference: test_tbe_reference.py.)
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import neorec.embedding.kernels.cpu_native as cpu_native
+import neorec.embedding.kernels.native_tbe as native_tbe
+import neorec.native.build as native_build
 from neorec.embedding import SparseOptimizerConfig, StorageConfig, TableBatchedEmbeddingBags, TableConfig
 from neorec.embedding.memory import MIN_BYTES, advise_huge_pages, empty_huge
 from neorec.sparse import KeyedJaggedTensor
@@ -42,7 +43,7 @@ def big_batch(generator: torch.Generator, batch_size: int = 512, weighted: bool 
 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_native_matches_torch_path_on_large_batches(kind, monkeypatch):
-    monkeypatch.setattr(cpu_native, "_threads", lambda work: 2)
+    monkeypatch.setattr(native_tbe, "_threads", lambda work: 2)
     config = SparseOptimizerConfig(kind, learning_rate=0.05, weight_decay=0.001)
     torch_path = TableBatchedEmbeddingBags(big_tables(), config, init_seed=2, kernel="torch")
     native = TableBatchedEmbeddingBags(big_tables(), config, init_seed=2, kernel="native")
@@ -65,7 +66,7 @@ def test_native_matches_torch_path_on_large_batches(kind, monkeypatch):
 def test_native_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
     results = []
     for threads in (1, 2, 4):
-        monkeypatch.setattr(cpu_native, "_threads", lambda work, threads=threads: threads)
+        monkeypatch.setattr(native_tbe, "_threads", lambda work, threads=threads: threads)
         module = TableBatchedEmbeddingBags(big_tables(), SparseOptimizerConfig("rowwise_adagrad"), init_seed=1,
                                            kernel="native")
         generator = torch.Generator().manual_seed(3)
@@ -97,10 +98,10 @@ def test_auto_takes_native_where_it_serves_and_torch_elsewhere():
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch):
-    monkeypatch.setattr(cpu_native, "_library", None)
-    monkeypatch.setattr(cpu_native, "_failure", None)
-    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
-    assert "no C compiler found" in cpu_native.native_available()
+    monkeypatch.setattr(native_build, "_library", None)
+    monkeypatch.setattr(native_build, "_failure", None)
+    monkeypatch.setattr(native_build, "_compiler", lambda: None)
+    assert "no C compiler found" in native_build.native_available()
     tables = make_tables("sum")
     fallback = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad"), init_seed=3)
     assert fallback.kernel_path() == "torch"
@@ -113,11 +114,11 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch):
 
 def test_build_goes_to_the_cache_folder_and_is_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
-    compiler = cpu_native._compiler()
-    first = cpu_native._build(compiler)
+    compiler = native_build._compiler()
+    first = native_build._build(compiler)
     assert first.parent == tmp_path and first.suffix == ".so" and first.stat().st_size > 0
     stamp = first.stat().st_mtime_ns
-    assert cpu_native._build(compiler) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert native_build._build(compiler) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 

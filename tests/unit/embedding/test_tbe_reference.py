@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import neorec.embedding.kernels.cpu_native as cpu_native
+import neorec.embedding.kernels.native_tbe as native_tbe
 import neorec.embedding.lookup as lookup_module
 import neorec.embedding.tbe as tbe_module
 from neorec.embedding import SparseOptimizerConfig, StorageConfig, TableBatchedEmbeddingBags, TableConfig
@@ -132,7 +132,7 @@ def test_fused_matches_reference(kind, pooling, weighted, precision, monkeypatch
 @pytest.mark.parametrize("kind", NATIVE_KINDS)
 def test_native_kernels_match_reference(kind, pooling, weighted, threads, monkeypatch):
     """The C kernels (kernel="native"), on one thread and with the work split over three."""
-    monkeypatch.setattr(cpu_native, "_threads", lambda work: threads)
+    monkeypatch.setattr(native_tbe, "_threads", lambda work: threads)
     check_against_reference(kind, pooling, weighted, "fp32", "native", monkeypatch)
 
 

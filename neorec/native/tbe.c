@@ -1,9 +1,9 @@
 /* Native CPU kernels of the table-batched embedding op (fp32 weights).
  *
- * Built on first use by neorec/embedding/kernels/cpu_native.py with the system C compiler and
- * called through ctypes (which releases the GIL, so several Python threads can run the kernels on
- * disjoint work ranges at once). Layout and semantics are those of kernels/layout.py and
- * kernels/reference.py:
+ * Built on first use by neorec/native/build.py with the system C compiler and called through ctypes
+ * (neorec/embedding/kernels/native_tbe.py), which releases the GIL, so several Python threads run
+ * the kernels on disjoint work ranges at once. Layout and semantics are those of
+ * neorec/embedding/kernels/layout.py and reference.py:
  *
  *   weights: one flat fp32 buffer; table t: table_rows[t] x table_dims[t] row-major from element
  *            table_offsets[t]; row-wise state indexed by table_row_offsets[t] + id.
@@ -18,6 +18,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "common.h"
 
 #define PREFETCH_DISTANCE 8
 #define GRADIENT_PREFETCH_DISTANCE 16
@@ -186,8 +188,7 @@ static int64_t update_table(int32_t kind, float *restrict rows_base, float *rest
             const float step = -learning_rate;
             for (int64_t d = 0; d < dim; ++d) row[d] += g[d] * step;
         } else if (kind == KIND_ROWWISE_ADAGRAD) {
-            float squares = 0.0f;
-            for (int64_t d = 0; d < dim; ++d) squares += g[d] * g[d];
+            const float squares = dot(g, g, dim);
             const float sum = state_base[id] + squares / (float)dim;
             state_base[id] = sum;
             const float step = (1.0f / (sqrtf(sum) + eps)) * -learning_rate;

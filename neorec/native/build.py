@@ -1,0 +1,128 @@
+"""Build and load neorec's native CPU kernels (``tbe.c``: the table-batched embedding op,
+``interaction.c``: the DLRM dot interaction).
+
+The C sources ship with the package and are compiled on first use with the system C compiler
+(``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
+library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
+hash of the sources, the flags, the compiler's version and this CPU's model and flags; later
+processes load the cached library (the first build takes about a second). It is loaded with ctypes,
+whose calls release the GIL, so the kernels run on several Python threads at once
+(``neorec/native/threads.py``).
+
+No compiler, or a failed build: ``native_available()`` says why, and the callers keep their torch
+ops (or raise when the native kernels were asked for by name).
+
+    python -c "from neorec.native import native_available; print(native_available() or 'native kernels ready')"
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+SOURCES = [Path(__file__).with_name("tbe.c"), Path(__file__).with_name("interaction.c")]
+HEADERS = [Path(__file__).with_name("common.h")]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+_F32 = ctypes.c_float
+SIGNATURES = {
+    "neorec_forward": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P]),
+    "neorec_backward_update": (_I64, [_I32, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P,
+                                      _I64, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "neorec_dot_interaction_forward": (None, [_P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P]),
+    "neorec_dot_interaction_backward": (None, [_P, _P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P, _P]),
+}
+
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_failure: Optional[str] = None
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded here (the message says why)."""
+
+
+def _compiler() -> Optional[str]:
+    for name in [os.environ.get("CC", "")] + ["cc", "gcc", "clang"]:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NEOREC_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "neorec" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version,
+                                       _cpu_signature(), platform.machine()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"neorec_cpu-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed:\n"
+                                    f"{result.stderr.strip()}")
+        os.replace(built, target)  # atomic: concurrent builders (ranks) each rename a complete file
+    return target
+
+
+def load() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use); NativeUnavailable if that is impossible."""
+    global _library, _failure
+    with _lock:
+        if _library is not None:
+            return _library
+        if _failure is not None:
+            raise NativeUnavailable(_failure)
+        try:
+            if sys.byteorder != "little" or ctypes.sizeof(ctypes.c_void_p) != 8:
+                raise NativeUnavailable("the native kernels need a 64-bit little-endian machine")
+            compiler = _compiler()
+            if compiler is None:
+                raise NativeUnavailable("no C compiler found (set CC, or install gcc or clang)")
+            library = ctypes.CDLL(str(_build(compiler)))
+            for name, (restype, argtypes) in SIGNATURES.items():
+                function = getattr(library, name)
+                function.restype, function.argtypes = restype, argtypes
+        except (NativeUnavailable, OSError, subprocess.SubprocessError) as error:
+            _failure = str(error)
+            raise NativeUnavailable(_failure) from None
+        _library = library
+        return library
+
+
+def native_available() -> Optional[str]:
+    """None when the native kernels are usable, else why not."""
+    try:
+        load()
+    except NativeUnavailable as error:
+        return str(error)
+    return None

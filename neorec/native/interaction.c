@@ -1,0 +1,104 @@
+/* Native CPU kernels of the DLRM dot interaction (fp32), called through ctypes by
+ * neorec/model/native_interaction.py (built by neorec/native/build.py).
+ *
+ * Per sample b, the n = F + 1 vectors of width D are v_0 = dense[b] and v_k = sparse[b, k - 1].
+ * forward:  out[b] = [dense[b], <v_i, v_j> for i < j (i <= j with self-interaction), row-major]
+ * backward: with S the symmetric matrix of the pair gradients (S_ij = S_ji = g_p for the pair p =
+ *           (i, j), i < j; S_ii = 2 g_p for a self pair), dv_i = sum_j S_ij v_j, and the dense
+ *           vector also takes the gradient of its copy in the output.
+ *
+ * Only the pairs are computed (half the work of the full Gram matrix a batched matmul forms), the
+ * vectors stay in L1 cache, and no [B, n, D] concatenation or [B, n, n] Gram matrix is built. Each
+ * sample is handled by one thread in a fixed order: the same inputs give the same bits.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+static inline const float *vector_of(const float *dense, const float *sparse, int64_t b, int64_t k, int64_t dim,
+                                     int64_t sparse_stride) {
+    return k == 0 ? dense + b * dim : sparse + b * sparse_stride + (k - 1) * dim;
+}
+
+/* One sample. Always inlined into callers with a constant dim (the common widths), so the loops
+ * over dim unroll and the accumulators live in registers; the generic call takes any dim. */
+static inline __attribute__((always_inline)) void forward_sample(const float *dense, const float *sparse, int64_t n,
+                                                                 const int64_t dim, int64_t sparse_stride,
+                                                                 int32_t self_interaction, int64_t b, float *row) {
+    memcpy(row, dense + b * dim, (size_t)dim * sizeof(float));
+    float *restrict p = row + dim;
+    for (int64_t i = 0; i < n; ++i) {
+        const float *vi = vector_of(dense, sparse, b, i, dim, sparse_stride);
+        for (int64_t j = self_interaction ? i : i + 1; j < n; ++j)
+            *p++ = dot(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim);
+    }
+}
+
+static inline __attribute__((always_inline)) void backward_sample(const float *g, const float *dense,
+                                                                  const float *sparse, int64_t n, const int64_t dim,
+                                                                  int64_t sparse_stride, const float *symmetric,
+                                                                  int64_t b, float *grad_dense, float *grad_sparse) {
+    for (int64_t i = 0; i < n; ++i) {
+        float acc[dim];
+        for (int64_t d = 0; d < dim; ++d) acc[d] = i == 0 ? g[d] : 0.0f;
+        const float *s = symmetric + i * n;
+        for (int64_t j = 0; j < n; ++j) {
+            const float weight = s[j];
+            const float *restrict vj = vector_of(dense, sparse, b, j, dim, sparse_stride);
+            for (int64_t d = 0; d < dim; ++d) acc[d] += weight * vj[d];
+        }
+        float *target = i == 0 ? grad_dense + b * dim : grad_sparse + b * (n - 1) * dim + (i - 1) * dim;
+        for (int64_t d = 0; d < dim; ++d) target[d] = acc[d];
+    }
+}
+
+#define FOR_DIM(dim, call)                 \
+    switch (dim) {                         \
+    case 16: { const int64_t D = 16; call; break; } \
+    case 32: { const int64_t D = 32; call; break; } \
+    case 64: { const int64_t D = 64; call; break; } \
+    case 128: { const int64_t D = 128; call; break; } \
+    default: { const int64_t D = dim; call; } \
+    }
+
+/* Samples [begin, end). dense [B, dim]; sparse rows of sparse_stride floats holding F vectors of
+ * dim; out [B, dim + P]. */
+void neorec_dot_interaction_forward(const float *dense, const float *sparse, int64_t num_features, int64_t dim,
+                                    int64_t sparse_stride, int32_t self_interaction, int64_t begin, int64_t end,
+                                    float *out) {
+    const int64_t n = num_features + 1;
+    const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
+    FOR_DIM(dim, for (int64_t b = begin; b < end; ++b)
+                     forward_sample(dense, sparse, n, D, sparse_stride, self_interaction, b, out + b * (D + pairs)))
+}
+
+/* Samples [begin, end). grad_out [B, dim + P]; grad_dense [B, dim]; grad_sparse [B, F * dim]. */
+void neorec_dot_interaction_backward(const float *grad_out, const float *dense, const float *sparse,
+                                     int64_t num_features, int64_t dim, int64_t sparse_stride,
+                                     int32_t self_interaction, int64_t begin, int64_t end, float *grad_dense,
+                                     float *grad_sparse) {
+    const int64_t n = num_features + 1;
+    const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
+    float *symmetric = malloc((size_t)(n * n) * sizeof(float));
+    if (symmetric == NULL) abort();
+    for (int64_t b = begin; b < end; ++b) {
+        const float *g = grad_out + b * (dim + pairs);
+        const float *gp = g + dim;
+        for (int64_t i = 0; i < n; ++i) {
+            symmetric[i * n + i] = 0.0f;
+            for (int64_t j = self_interaction ? i : i + 1; j < n; ++j) {
+                const float value = *gp++;
+                if (i == j) {
+                    symmetric[i * n + i] = 2.0f * value;
+                } else {
+                    symmetric[i * n + j] = value;
+                    symmetric[j * n + i] = value;
+                }
+            }
+        }
+        FOR_DIM(dim, backward_sample(g, dense, sparse, n, D, sparse_stride, symmetric, b, grad_dense, grad_sparse))
+    }
+    free(symmetric);
+}
