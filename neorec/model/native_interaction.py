@@ -3,7 +3,7 @@
 ``dot_interaction(dense [B, D], sparse [B, F, D], self_interaction)`` -> [B, D + P]: the dense
 vector, then the pairwise dot products, exactly what ``DotInteraction`` returns, differentiable in
 both inputs. It computes only the P pairs per sample (no [B, F+1, D] concatenation, no [B, F+1, F+1]
-Gram matrix) and splits the samples over ``torch.get_num_threads()`` threads. fp32 CPU tensors only;
+Gram matrix) and splits the samples over ``torch.get_num_threads()`` (OpenMP) threads. fp32 CPU tensors only;
 ``DotInteraction`` keeps its batched-matmul path everywhere else.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from neorec.native import load
-from neorec.native.threads import run_parallel, split_even, threads_for
+from neorec.native.threads import threads_for
 
 MIN_SAMPLES_PER_THREAD = 128
 
@@ -39,10 +39,9 @@ class _DotInteraction(torch.autograd.Function):
         n = num_features + 1
         pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
         out = torch.empty(batch, dim + pairs, dtype=torch.float32)
-        ranges = split_even(batch, threads_for(batch, MIN_SAMPLES_PER_THREAD))
-        run_parallel([lambda lo=lo, hi=hi: library.neorec_dot_interaction_forward(
-            dense.data_ptr(), sparse.data_ptr(), num_features, dim, stride, int(self_interaction), lo, hi,
-            out.data_ptr()) for lo, hi in ranges])
+        library.neorec_dot_interaction_forward(dense.data_ptr(), sparse.data_ptr(), num_features, dim, stride,
+                                               int(self_interaction), batch,
+                                               threads_for(batch, MIN_SAMPLES_PER_THREAD), out.data_ptr())
         ctx.save_for_backward(dense, sparse)
         ctx.self_interaction = bool(self_interaction)
         return out
@@ -55,10 +54,10 @@ class _DotInteraction(torch.autograd.Function):
         batch, num_features, dim = sparse.shape
         grad_dense = torch.empty(batch, dim, dtype=torch.float32)
         grad_sparse = torch.empty(batch, num_features, dim, dtype=torch.float32)
-        ranges = split_even(batch, threads_for(batch, MIN_SAMPLES_PER_THREAD))
-        run_parallel([lambda lo=lo, hi=hi: library.neorec_dot_interaction_backward(
-            grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(), num_features, dim, sparse.stride(0),
-            int(ctx.self_interaction), lo, hi, grad_dense.data_ptr(), grad_sparse.data_ptr()) for lo, hi in ranges])
+        library.neorec_dot_interaction_backward(grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(),
+                                                num_features, dim, sparse.stride(0), int(ctx.self_interaction),
+                                                batch, threads_for(batch, MIN_SAMPLES_PER_THREAD),
+                                                grad_dense.data_ptr(), grad_sparse.data_ptr())
         return grad_dense, grad_sparse, None
 
 

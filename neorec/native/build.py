@@ -5,9 +5,12 @@ The C sources ship with the package and are compiled on first use with the syste
 (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
 library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
 hash of the sources, the flags, the compiler's version and this CPU's model and flags; later
-processes load the cached library (the first build takes about a second). It is loaded with ctypes,
-whose calls release the GIL, so the kernels run on several Python threads at once
-(``neorec/native/threads.py``).
+processes load the cached library (the first build takes about a second) with ctypes.
+
+Threads: the kernels parallelise with OpenMP. The library is loaded after torch, whose libgomp
+(soname ``libgomp.so.1``) the dynamic linker then reuses, so the kernels run on torch's own thread
+pool: no second set of spinning threads competes for the cores (``torch.set_num_threads`` bounds
+both). Where torch uses another OpenMP runtime the kernels still run, on their own pool.
 
 No compiler, or a failed build: ``native_available()`` says why, and the callers keep their torch
 ops (or raise when the native kernels were asked for by name).
@@ -31,16 +34,16 @@ from typing import Optional
 
 SOURCES = [Path(__file__).with_name("tbe.c"), Path(__file__).with_name("interaction.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
 _F32 = ctypes.c_float
 SIGNATURES = {
-    "neorec_forward": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P]),
+    "neorec_forward": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P]),
     "neorec_backward_update": (_I64, [_I32, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P,
-                                      _I64, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P, _P]),
+                                      _P, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P, _P, _I64]),
     "neorec_dot_interaction_forward": (None, [_P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P]),
     "neorec_dot_interaction_backward": (None, [_P, _P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P, _P]),
 }

@@ -9,7 +9,7 @@
  *
  * Only the pairs are computed (half the work of the full Gram matrix a batched matmul forms), the
  * vectors stay in L1 cache, and no [B, n, D] concatenation or [B, n, n] Gram matrix is built. Each
- * sample is handled by one thread in a fixed order: the same inputs give the same bits.
+ * sample is handled by one (OpenMP) thread in a fixed order: the same inputs give the same bits.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,42 +63,50 @@ static inline __attribute__((always_inline)) void backward_sample(const float *g
     default: { const int64_t D = dim; call; } \
     }
 
-/* Samples [begin, end). dense [B, dim]; sparse rows of sparse_stride floats holding F vectors of
- * dim; out [B, dim + P]. */
+/* All B samples, split evenly over ``threads`` OpenMP threads. dense [B, dim]; sparse rows of
+ * sparse_stride floats holding F vectors of dim; out [B, dim + P]. */
 void neorec_dot_interaction_forward(const float *dense, const float *sparse, int64_t num_features, int64_t dim,
-                                    int64_t sparse_stride, int32_t self_interaction, int64_t begin, int64_t end,
+                                    int64_t sparse_stride, int32_t self_interaction, int64_t batch, int64_t threads,
                                     float *out) {
     const int64_t n = num_features + 1;
     const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
-    FOR_DIM(dim, for (int64_t b = begin; b < end; ++b)
-                     forward_sample(dense, sparse, n, D, sparse_stride, self_interaction, b, out + b * (D + pairs)))
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t b = 0; b < batch; ++b) {
+        FOR_DIM(dim, forward_sample(dense, sparse, n, D, sparse_stride, self_interaction, b, out + b * (D + pairs)))
+    }
 }
 
-/* Samples [begin, end). grad_out [B, dim + P]; grad_dense [B, dim]; grad_sparse [B, F * dim]. */
+/* All B samples over ``threads`` threads. grad_out [B, dim + P]; grad_dense [B, dim]; grad_sparse
+ * [B, F * dim]. */
 void neorec_dot_interaction_backward(const float *grad_out, const float *dense, const float *sparse,
                                      int64_t num_features, int64_t dim, int64_t sparse_stride,
-                                     int32_t self_interaction, int64_t begin, int64_t end, float *grad_dense,
+                                     int32_t self_interaction, int64_t batch, int64_t threads, float *grad_dense,
                                      float *grad_sparse) {
     const int64_t n = num_features + 1;
     const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
-    float *symmetric = malloc((size_t)(n * n) * sizeof(float));
-    if (symmetric == NULL) abort();
-    for (int64_t b = begin; b < end; ++b) {
-        const float *g = grad_out + b * (dim + pairs);
-        const float *gp = g + dim;
-        for (int64_t i = 0; i < n; ++i) {
-            symmetric[i * n + i] = 0.0f;
-            for (int64_t j = self_interaction ? i : i + 1; j < n; ++j) {
-                const float value = *gp++;
-                if (i == j) {
-                    symmetric[i * n + i] = 2.0f * value;
-                } else {
-                    symmetric[i * n + j] = value;
-                    symmetric[j * n + i] = value;
+#pragma omp parallel num_threads((int)threads)
+    {
+        float *symmetric = malloc((size_t)(n * n) * sizeof(float));
+        if (symmetric == NULL) abort();
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; ++b) {
+            const float *g = grad_out + b * (dim + pairs);
+            const float *gp = g + dim;
+            for (int64_t i = 0; i < n; ++i) {
+                symmetric[i * n + i] = 0.0f;
+                for (int64_t j = self_interaction ? i : i + 1; j < n; ++j) {
+                    const float value = *gp++;
+                    if (i == j) {
+                        symmetric[i * n + i] = 2.0f * value;
+                    } else {
+                        symmetric[i * n + j] = value;
+                        symmetric[j * n + i] = value;
+                    }
                 }
             }
+            FOR_DIM(dim, backward_sample(g, dense, sparse, n, D, sparse_stride, symmetric, b, grad_dense,
+                                         grad_sparse))
         }
-        FOR_DIM(dim, backward_sample(g, dense, sparse, n, D, sparse_stride, symmetric, b, grad_dense, grad_sparse))
+        free(symmetric);
     }
-    free(symmetric);
 }

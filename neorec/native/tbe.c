@@ -11,9 +11,12 @@
  *            optional per-value weights; "mean" features scale each value by 1 / len(bag).
  *   output:  [B, total_cols] fp32; feature f in columns col_offsets[f] .. + dim.
  *
+ * Threads: OpenMP (the library is linked against the libgomp that torch has loaded, so it shares
+ * torch's thread pool); the Python side splits the work into ranges, one per thread.
+ *
  * Determinism: a bag is pooled in value order; a row's gradient is summed over its values in value
- * order (the radix sort below is stable) and every row is updated by exactly one call (calls of one
- * step cover disjoint sets of tables), so the result does not depend on the number of threads.
+ * order (the radix sort below is stable) and every row is updated by exactly one thread (ranges of
+ * one step cover disjoint sets of tables), so the result does not depend on the number of threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,7 +24,7 @@
 
 #include "common.h"
 
-#define PREFETCH_DISTANCE 8
+#define PREFETCH_DISTANCE 24
 #define GRADIENT_PREFETCH_DISTANCE 16
 #define FLOATS_PER_LINE 16
 
@@ -39,11 +42,11 @@ static inline void prefetch_row(const float *row, int64_t dim, int write) {
 /* Pools bags [bag_begin, bag_end). Returns -1, or the position of the first id (in that range)
  * outside its table, in which case the output of the range is not complete. Rows are prefetched
  * PREFETCH_DISTANCE values ahead, across bags of the same feature (bags of one id are common). */
-int64_t neorec_forward(const float *weights, const int64_t *table_offsets, const int32_t *table_dims,
-                       const int64_t *table_rows, const int32_t *feature_table, const int32_t *feature_mean,
-                       const int64_t *col_offsets, const int64_t *ids, const int64_t *bag_offsets,
-                       const float *value_weights, int64_t batch_size, int64_t total_cols, int64_t bag_begin,
-                       int64_t bag_end, float *out) {
+static int64_t forward_range(const float *weights, const int64_t *table_offsets, const int32_t *table_dims,
+                             const int64_t *table_rows, const int32_t *feature_table, const int32_t *feature_mean,
+                             const int64_t *col_offsets, const int64_t *ids, const int64_t *bag_offsets,
+                             const float *value_weights, int64_t batch_size, int64_t total_cols, int64_t bag_begin,
+                             int64_t bag_end, float *out) {
     for (int64_t bag = bag_begin; bag < bag_end; ++bag) {
         const int64_t feature = bag / batch_size, sample = bag - feature * batch_size;
         const int32_t table = feature_table[feature];
@@ -72,6 +75,24 @@ int64_t neorec_forward(const float *weights, const int64_t *table_offsets, const
         }
     }
     return -1;
+}
+
+/* Pools the bags of ``parts`` ranges [ranges[2p], ranges[2p + 1]), one OpenMP thread each. Returns
+ * -1, or the smallest position of an id outside its table (the output is then incomplete). */
+int64_t neorec_forward(const float *weights, const int64_t *table_offsets, const int32_t *table_dims,
+                       const int64_t *table_rows, const int32_t *feature_table, const int32_t *feature_mean,
+                       const int64_t *col_offsets, const int64_t *ids, const int64_t *bag_offsets,
+                       const float *value_weights, int64_t batch_size, int64_t total_cols, const int64_t *ranges,
+                       int64_t parts, float *out) {
+    int64_t first_bad = INT64_MAX;
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(min : first_bad)
+    for (int64_t p = 0; p < parts; ++p) {
+        const int64_t bad = forward_range(weights, table_offsets, table_dims, table_rows, feature_table, feature_mean,
+                                          col_offsets, ids, bag_offsets, value_weights, batch_size, total_cols,
+                                          ranges[2 * p], ranges[2 * p + 1], out);
+        if (bad >= 0 && bad < first_bad) first_bad = bad;
+    }
+    return first_bad == INT64_MAX ? -1 : first_bad;
 }
 
 /* ----------------------------------------------------------------------------------- backward */
@@ -207,17 +228,11 @@ static int64_t update_table(int32_t kind, float *restrict rows_base, float *rest
     return updated;
 }
 
-/* The fused backward of features [feature_begin, feature_end), whose tables no other call of the
+/* The fused backward of features [feature_begin, feature_end), whose tables no other range of the
  * same step touches (a table's features are adjacent), table by table: the values of a table are
  * sorted by row (stable), each row's gradient is summed over its values in value order and the
- * optimizer is applied once per row.
- *
- * state: [total_rows] (row-wise AdaGrad), flat like the weights (AdaGrad) or NULL (SGD).
- * modified (nullable): [total_rows] flags set for every updated row.
- * Scratch (this call's own, n = values of the range): keys, keys_tmp (uint32 [n]), bags,
- * bags_tmp (int32 [n]), scales, scales_tmp (float [n]; used when values are weighted or a feature
- * is mean-pooled), gradient (float [max dim]). Returns the number of rows updated. */
-int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const int64_t *table_offsets,
+ * optimizer is applied once per row. Scratch: this range's own (see neorec_backward_update). */
+static int64_t update_features(int32_t kind, float *weights, float *state, const int64_t *table_offsets,
                                const int32_t *table_dims, const int64_t *table_rows,
                                const int64_t *table_row_offsets, const int32_t *feature_table,
                                const int32_t *feature_mean, const int64_t *col_offsets, const int64_t *ids,
@@ -244,6 +259,40 @@ int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const
                                 keys_tmp + skip, bags + skip, bags_tmp + skip, scales ? scales + skip : NULL,
                                 scales_tmp ? scales_tmp + skip : NULL, gradient);
         begin = end;
+    }
+    return updated;
+}
+
+/* One optimizer step on every row the batch touched: ``parts`` feature ranges [groups[2p],
+ * groups[2p + 1]) that share no table, one OpenMP thread each.
+ *
+ * state: [total_rows] (row-wise AdaGrad), flat like the weights (AdaGrad) or NULL (SGD).
+ * modified (nullable): [total_rows] flags set for every updated row.
+ * Scratch, n = all values of the batch (a range uses the part at its values' offset): keys,
+ * keys_tmp (uint32 [n]), bags, bags_tmp (int32 [n]), scales, scales_tmp (float [n] or NULL; needed
+ * when values are weighted or a feature is mean-pooled), gradient (float [parts * gradient_stride],
+ * gradient_stride >= max dim). Returns the number of rows updated. */
+int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const int64_t *table_offsets,
+                               const int32_t *table_dims, const int64_t *table_rows,
+                               const int64_t *table_row_offsets, const int32_t *feature_table,
+                               const int32_t *feature_mean, const int64_t *col_offsets, const int64_t *ids,
+                               const int64_t *bag_offsets, const float *value_weights, int64_t batch_size,
+                               int64_t total_cols, const float *grad_output, const int64_t *groups, int64_t parts,
+                               float learning_rate, float eps, float weight_decay, uint8_t *modified, uint32_t *keys,
+                               uint32_t *keys_tmp, int32_t *bags, int32_t *bags_tmp, float *scales,
+                               float *scales_tmp, float *gradient, int64_t gradient_stride) {
+    const int64_t first = bag_offsets[0];
+    int64_t updated = 0;
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(+ : updated)
+    for (int64_t p = 0; p < parts; ++p) {
+        const int64_t begin = groups[2 * p], end = groups[2 * p + 1];
+        const int64_t skip = bag_offsets[begin * batch_size] - first;
+        updated += update_features(kind, weights, state, table_offsets, table_dims, table_rows, table_row_offsets,
+                                   feature_table, feature_mean, col_offsets, ids, bag_offsets, value_weights,
+                                   batch_size, total_cols, grad_output, begin, end, learning_rate, eps, weight_decay,
+                                   modified, keys + skip, keys_tmp + skip, bags + skip, bags_tmp + skip,
+                                   scales ? scales + skip : NULL, scales_tmp ? scales_tmp + skip : NULL,
+                                   gradient + p * gradient_stride);
     }
     return updated;
 }

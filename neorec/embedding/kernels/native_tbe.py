@@ -58,15 +58,13 @@ class NativeKernels:
         num_bags = self.num_features * batch_size
         if num_bags == 0:
             return out, -1
-        pointers = (weights.data_ptr(), self.table_offsets.data_ptr(), self.table_dims.data_ptr(),
-                    self.table_rows.data_ptr(), self.feature_table.data_ptr(), self.feature_mean.data_ptr(),
-                    self.col_offsets.data_ptr(), ids.data_ptr(), bag_offsets.data_ptr(),
-                    self._pointer(value_weights), batch_size, self.total_cols)
-        forward = self.lib.neorec_forward
-        ranges = threads.split_by_work(bag_offsets, num_bags, _threads(ids.numel() + num_bags))
-        bad = threads.run_parallel([lambda lo=lo, hi=hi: forward(*pointers, lo, hi, out.data_ptr()) for lo, hi in ranges])
-        bad = [b for b in bad if b >= 0]
-        return out, (min(bad) if bad else -1)
+        ranges = threads.ranges_tensor(threads.split_by_work(bag_offsets, num_bags, _threads(ids.numel() + num_bags)))
+        bad = self.lib.neorec_forward(
+            weights.data_ptr(), self.table_offsets.data_ptr(), self.table_dims.data_ptr(), self.table_rows.data_ptr(),
+            self.feature_table.data_ptr(), self.feature_mean.data_ptr(), self.col_offsets.data_ptr(), ids.data_ptr(),
+            bag_offsets.data_ptr(), self._pointer(value_weights), batch_size, self.total_cols, ranges.data_ptr(),
+            len(ranges) // 2, out.data_ptr())
+        return out, bad
 
     def _table_groups(self, bag_offsets: torch.Tensor, batch_size: int, parts: int) -> List[Tuple[int, int]]:
         """Up to ``parts`` feature ranges [begin, end) with about equal numbers of values, cut only
@@ -103,19 +101,15 @@ class NativeKernels:
             ("keys", torch.int32), ("keys_tmp", torch.int32), ("bags", torch.int32), ("bags_tmp", torch.int32),
             ("scales", torch.float32), ("scales_tmp", torch.float32)) if scaled or not name.startswith("scales")]
         groups = self._table_groups(bag_offsets, batch_size, _threads(count))
+        group_bounds = threads.ranges_tensor(groups)  # keep a reference while C reads it
         gradient = self._buffer("gradient", len(groups) * self.max_dim, torch.float32)
-        common = (KIND_CODES[kind], weights.data_ptr(), self._pointer(state), self.table_offsets.data_ptr(),
-                  self.table_dims.data_ptr(), self.table_rows.data_ptr(), self.table_row_offsets.data_ptr(),
-                  self.feature_table.data_ptr(),
-                  self.feature_mean.data_ptr(), self.col_offsets.data_ptr(), ids.data_ptr(), bag_offsets.data_ptr(),
-                  self._pointer(value_weights), batch_size, self.total_cols, grad_output.data_ptr())
-        update = self.lib.neorec_backward_update
-        tasks = []
-        for index, (begin, end) in enumerate(groups):
-            skip = int(bag_offsets[begin * batch_size]) - first  # this group's values start here
-            scratch = [b.data_ptr() + 4 * skip for b in buffers] + [None, None] * (not scaled)
-            tasks.append(lambda begin=begin, end=end, scratch=scratch, index=index:
-                         update(*common, begin, end, float(learning_rate), float(eps),
-                                float(weight_decay), self._pointer(modified), *scratch,
-                                gradient.data_ptr() + 4 * index * self.max_dim))
-        threads.run_parallel(tasks)
+        if not scaled:
+            buffers += [None, None]
+        self.lib.neorec_backward_update(
+            KIND_CODES[kind], weights.data_ptr(), self._pointer(state), self.table_offsets.data_ptr(),
+            self.table_dims.data_ptr(), self.table_rows.data_ptr(), self.table_row_offsets.data_ptr(),
+            self.feature_table.data_ptr(), self.feature_mean.data_ptr(), self.col_offsets.data_ptr(), ids.data_ptr(),
+            bag_offsets.data_ptr(), self._pointer(value_weights), batch_size, self.total_cols, grad_output.data_ptr(),
+            group_bounds.data_ptr(), len(groups), float(learning_rate), float(eps),
+            float(weight_decay), self._pointer(modified), *[self._pointer(b) for b in buffers], gradient.data_ptr(),
+            self.max_dim)
