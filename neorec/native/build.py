@@ -43,7 +43,7 @@ _F32 = ctypes.c_float
 SIGNATURES = {
     "neorec_forward": (_I64, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P]),
     "neorec_backward_update": (_I64, [_I32, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _P,
-                                      _P, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P, _P, _I64]),
+                                      _P, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P]),
     "neorec_dot_interaction_forward": (None, [_P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P]),
     "neorec_dot_interaction_backward": (None, [_P, _P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P, _P]),
 }

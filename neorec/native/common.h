@@ -20,4 +20,18 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return sum;
 }
 
+/* Runs ``call`` with a constant ``D`` equal to ``dim`` for the common widths, so that loops over D
+ * in always-inlined helpers unroll and their accumulators stay in registers; other widths run
+ * the same code with D = dim. */
+#define FOR_DIM(dim, call)                          \
+    switch (dim) {                                  \
+    case 16: { const int64_t D = 16; call; break; }   \
+    case 32: { const int64_t D = 32; call; break; }   \
+    case 64: { const int64_t D = 64; call; break; }   \
+    case 128: { const int64_t D = 128; call; break; } \
+    default: { const int64_t D = (dim); call; }       \
+    }
+
+#define INLINE static inline __attribute__((always_inline))
+
 #endif

@@ -54,15 +54,6 @@ static inline __attribute__((always_inline)) void backward_sample(const float *g
     }
 }
 
-#define FOR_DIM(dim, call)                 \
-    switch (dim) {                         \
-    case 16: { const int64_t D = 16; call; break; } \
-    case 32: { const int64_t D = 32; call; break; } \
-    case 64: { const int64_t D = 64; call; break; } \
-    case 128: { const int64_t D = 128; call; break; } \
-    default: { const int64_t D = dim; call; } \
-    }
-
 /* All B samples, split evenly over ``threads`` OpenMP threads. dense [B, dim]; sparse rows of
  * sparse_stride floats holding F vectors of dim; out [B, dim + P]. */
 void neorec_dot_interaction_forward(const float *dense, const float *sparse, int64_t num_features, int64_t dim,

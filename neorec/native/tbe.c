@@ -42,6 +42,42 @@ static inline void prefetch_row(const float *row, int64_t dim, int write) {
 /* Pools bags [bag_begin, bag_end). Returns -1, or the position of the first id (in that range)
  * outside its table, in which case the output of the range is not complete. Rows are prefetched
  * PREFETCH_DISTANCE values ahead, across bags of the same feature (bags of one id are common). */
+/* One bag of one table: dst[0..dim) = sum of its rows (times scale). Returns -1, or the position of
+ * an id outside the table. */
+INLINE int64_t pool_bag(const float *base, int64_t rows, const int64_t dim, const int64_t *ids, int64_t start,
+                        int64_t end, int64_t feature_end, const float *value_weights, float mean_scale, int scaled,
+                        float *restrict dst) {
+    if (end - start == 1 && !scaled) { /* one id: a copy (bags of one id are common) */
+        if (start + PREFETCH_DISTANCE < feature_end) {
+            const int64_t ahead = ids[start + PREFETCH_DISTANCE];
+            if (ahead >= 0 && ahead < rows) prefetch_row(base + ahead * dim, dim, 0);
+        }
+        const int64_t id = ids[start];
+        if (id < 0 || id >= rows) return start;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = base[id * dim + d];
+        return -1;
+    }
+    float acc[dim];
+    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+    for (int64_t i = start; i < end; ++i) {
+        if (i + PREFETCH_DISTANCE < feature_end) {
+            const int64_t ahead = ids[i + PREFETCH_DISTANCE];
+            if (ahead >= 0 && ahead < rows) prefetch_row(base + ahead * dim, dim, 0);
+        }
+        const int64_t id = ids[i];
+        if (id < 0 || id >= rows) return i;
+        const float *restrict row = base + id * dim;
+        if (scaled) {
+            const float scale = (value_weights ? value_weights[i] : 1.0f) * mean_scale;
+            for (int64_t d = 0; d < dim; ++d) acc[d] += scale * row[d];
+        } else {
+            for (int64_t d = 0; d < dim; ++d) acc[d] += row[d];
+        }
+    }
+    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d];
+    return -1;
+}
+
 static int64_t forward_range(const float *weights, const int64_t *table_offsets, const int32_t *table_dims,
                              const int64_t *table_rows, const int32_t *feature_table, const int32_t *feature_mean,
                              const int64_t *col_offsets, const int64_t *ids, const int64_t *bag_offsets,
@@ -53,26 +89,13 @@ static int64_t forward_range(const float *weights, const int64_t *table_offsets,
         const int64_t dim = table_dims[table], rows = table_rows[table];
         const int64_t feature_end = bag_offsets[(feature + 1) * batch_size];
         const float *base = weights + table_offsets[table];
-        float *restrict dst = out + sample * total_cols + col_offsets[feature];
+        float *dst = out + sample * total_cols + col_offsets[feature];
         const int64_t start = bag_offsets[bag], end = bag_offsets[bag + 1];
         const float mean_scale = (feature_mean[feature] && end > start) ? 1.0f / (float)(end - start) : 1.0f;
         const int scaled = value_weights != NULL || feature_mean[feature];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = 0.0f;
-        for (int64_t i = start; i < end; ++i) {
-            if (i + PREFETCH_DISTANCE < feature_end) {
-                const int64_t ahead = ids[i + PREFETCH_DISTANCE];
-                if (ahead >= 0 && ahead < rows) prefetch_row(base + ahead * dim, dim, 0);
-            }
-            const int64_t id = ids[i];
-            if (id < 0 || id >= rows) return i;
-            const float *restrict row = base + id * dim;
-            if (scaled) {
-                const float scale = (value_weights ? value_weights[i] : 1.0f) * mean_scale;
-                for (int64_t d = 0; d < dim; ++d) dst[d] += scale * row[d];
-            } else {
-                for (int64_t d = 0; d < dim; ++d) dst[d] += row[d];
-            }
-        }
+        int64_t bad = -1;
+        FOR_DIM(dim, bad = pool_bag(base, rows, D, ids, start, end, feature_end, value_weights, mean_scale, scaled, dst))
+        if (bad >= 0) return bad;
     }
     return -1;
 }
@@ -146,39 +169,20 @@ static inline const float *gradient_of(const float *grad_output, int32_t bag, in
     return grad_output + (int64_t)(bag - feature * batch_size) * total_cols + col_offsets[feature];
 }
 
-/* One table (its features [feature_begin, feature_end) are adjacent): sort its n values by row,
- * then sum each row's gradient over its values in value order and apply the optimizer once. */
-static int64_t update_table(int32_t kind, float *restrict rows_base, float *restrict state_base, int64_t dim,
-                            int64_t num_rows, const int32_t *feature_mean, const int64_t *col_offsets,
-                            const int64_t *ids, const int64_t *bag_offsets, const float *value_weights,
-                            int32_t batch_size, int64_t total_cols, const float *grad_output,
-                            int64_t feature_begin, int64_t feature_end, float learning_rate, float eps,
-                            float weight_decay, uint8_t *modified, uint32_t *keys, uint32_t *keys_tmp,
-                            int32_t *bags, int32_t *bags_tmp, float *scales, float *scales_tmp,
-                            float *restrict g) {
-    const int64_t first = bag_offsets[feature_begin * batch_size];
-    const int64_t n = bag_offsets[feature_end * batch_size] - first;
-    if (n <= 0) return 0;
-    int scaled = value_weights != NULL;
-    for (int64_t f = feature_begin; f < feature_end; ++f) scaled |= feature_mean[f];
-    if (!scaled) scales = scales_tmp = NULL;
-    for (int64_t bag = feature_begin * batch_size; bag < feature_end * batch_size; ++bag) {
-        const int64_t lo = bag_offsets[bag], hi = bag_offsets[bag + 1];
-        const float mean_scale = (feature_mean[bag / batch_size] && hi > lo) ? 1.0f / (float)(hi - lo) : 1.0f;
-        for (int64_t i = lo; i < hi; ++i) {
-            keys[i - first] = (uint32_t)ids[i];
-            bags[i - first] = (int32_t)bag;
-            if (scaled) scales[i - first] = (value_weights ? value_weights[i] : 1.0f) * mean_scale;
-        }
-    }
-    sort_by_key(n, bits_for(num_rows), keys, keys_tmp, bags, bags_tmp, scales, scales_tmp);
-
+/* The update of one table's sorted values: each run of equal keys is one row; its gradient is
+ * summed over the run in order, then the optimizer steps the row. Returns the rows updated. */
+INLINE int64_t update_sorted(int32_t kind, float *restrict rows_base, float *restrict state_base, const int64_t dim,
+                             const uint32_t *keys, const int32_t *bags, const float *scales, int64_t n,
+                             int32_t batch_size, int64_t total_cols, const int64_t *col_offsets,
+                             const float *grad_output, float learning_rate, float eps, float weight_decay,
+                             uint8_t *modified) {
     int64_t updated = 0;
     int64_t ahead = 0; /* first value of the row PREFETCH_DISTANCE rows ahead */
     for (int r = 0; r < PREFETCH_DISTANCE && ahead < n; ++r) {
         const uint32_t key = keys[ahead];
         while (ahead < n && keys[ahead] == key) ++ahead;
     }
+    float g[dim];
     for (int64_t lo = 0; lo < n;) {
         int64_t hi = lo + 1;
         while (hi < n && keys[hi] == keys[lo]) ++hi;
@@ -228,6 +232,38 @@ static int64_t update_table(int32_t kind, float *restrict rows_base, float *rest
     return updated;
 }
 
+/* One table (its features [feature_begin, feature_end) are adjacent): sort its n values by row,
+ * then sum each row's gradient over its values in value order and apply the optimizer once. */
+static int64_t update_table(int32_t kind, float *restrict rows_base, float *restrict state_base, int64_t dim,
+                            int64_t num_rows, const int32_t *feature_mean, const int64_t *col_offsets,
+                            const int64_t *ids, const int64_t *bag_offsets, const float *value_weights,
+                            int32_t batch_size, int64_t total_cols, const float *grad_output,
+                            int64_t feature_begin, int64_t feature_end, float learning_rate, float eps,
+                            float weight_decay, uint8_t *modified, uint32_t *keys, uint32_t *keys_tmp,
+                            int32_t *bags, int32_t *bags_tmp, float *scales, float *scales_tmp) {
+    const int64_t first = bag_offsets[feature_begin * batch_size];
+    const int64_t n = bag_offsets[feature_end * batch_size] - first;
+    if (n <= 0) return 0;
+    int scaled = value_weights != NULL;
+    for (int64_t f = feature_begin; f < feature_end; ++f) scaled |= feature_mean[f];
+    if (!scaled) scales = scales_tmp = NULL;
+    for (int64_t bag = feature_begin * batch_size; bag < feature_end * batch_size; ++bag) {
+        const int64_t lo = bag_offsets[bag], hi = bag_offsets[bag + 1];
+        const float mean_scale = (feature_mean[bag / batch_size] && hi > lo) ? 1.0f / (float)(hi - lo) : 1.0f;
+        for (int64_t i = lo; i < hi; ++i) {
+            keys[i - first] = (uint32_t)ids[i];
+            bags[i - first] = (int32_t)bag;
+            if (scaled) scales[i - first] = (value_weights ? value_weights[i] : 1.0f) * mean_scale;
+        }
+    }
+    sort_by_key(n, bits_for(num_rows), keys, keys_tmp, bags, bags_tmp, scales, scales_tmp);
+
+    int64_t updated = 0;
+    FOR_DIM(dim, updated = update_sorted(kind, rows_base, state_base, D, keys, bags, scales, n, batch_size, total_cols,
+                                         col_offsets, grad_output, learning_rate, eps, weight_decay, modified))
+    return updated;
+}
+
 /* The fused backward of features [feature_begin, feature_end), whose tables no other range of the
  * same step touches (a table's features are adjacent), table by table: the values of a table are
  * sorted by row (stable), each row's gradient is summed over its values in value order and the
@@ -240,7 +276,7 @@ static int64_t update_features(int32_t kind, float *weights, float *state, const
                                int64_t total_cols, const float *grad_output, int64_t feature_begin,
                                int64_t feature_end, float learning_rate, float eps, float weight_decay,
                                uint8_t *modified, uint32_t *keys, uint32_t *keys_tmp, int32_t *bags,
-                               int32_t *bags_tmp, float *scales, float *scales_tmp, float *gradient) {
+                               int32_t *bags_tmp, float *scales, float *scales_tmp) {
     const int64_t first = bag_offsets[feature_begin * batch_size];
     int64_t updated = 0;
     for (int64_t begin = feature_begin; begin < feature_end;) {
@@ -257,7 +293,7 @@ static int64_t update_features(int32_t kind, float *weights, float *state, const
                                 total_cols, grad_output, begin, end, learning_rate, eps, weight_decay,
                                 modified ? modified + table_row_offsets[table] : NULL, keys + skip,
                                 keys_tmp + skip, bags + skip, bags_tmp + skip, scales ? scales + skip : NULL,
-                                scales_tmp ? scales_tmp + skip : NULL, gradient);
+                                scales_tmp ? scales_tmp + skip : NULL);
         begin = end;
     }
     return updated;
@@ -270,8 +306,7 @@ static int64_t update_features(int32_t kind, float *weights, float *state, const
  * modified (nullable): [total_rows] flags set for every updated row.
  * Scratch, n = all values of the batch (a range uses the part at its values' offset): keys,
  * keys_tmp (uint32 [n]), bags, bags_tmp (int32 [n]), scales, scales_tmp (float [n] or NULL; needed
- * when values are weighted or a feature is mean-pooled), gradient (float [parts * gradient_stride],
- * gradient_stride >= max dim). Returns the number of rows updated. */
+ * when values are weighted or a feature is mean-pooled). Returns the number of rows updated. */
 int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const int64_t *table_offsets,
                                const int32_t *table_dims, const int64_t *table_rows,
                                const int64_t *table_row_offsets, const int32_t *feature_table,
@@ -280,7 +315,7 @@ int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const
                                int64_t total_cols, const float *grad_output, const int64_t *groups, int64_t parts,
                                float learning_rate, float eps, float weight_decay, uint8_t *modified, uint32_t *keys,
                                uint32_t *keys_tmp, int32_t *bags, int32_t *bags_tmp, float *scales,
-                               float *scales_tmp, float *gradient, int64_t gradient_stride) {
+                               float *scales_tmp) {
     const int64_t first = bag_offsets[0];
     int64_t updated = 0;
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(+ : updated)
@@ -291,8 +326,7 @@ int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const
                                    feature_table, feature_mean, col_offsets, ids, bag_offsets, value_weights,
                                    batch_size, total_cols, grad_output, begin, end, learning_rate, eps, weight_decay,
                                    modified, keys + skip, keys_tmp + skip, bags + skip, bags_tmp + skip,
-                                   scales ? scales + skip : NULL, scales_tmp ? scales_tmp + skip : NULL,
-                                   gradient + p * gradient_stride);
+                                   scales ? scales + skip : NULL, scales_tmp ? scales_tmp + skip : NULL);
     }
     return updated;
 }

@@ -102,7 +102,6 @@ class NativeKernels:
             ("scales", torch.float32), ("scales_tmp", torch.float32)) if scaled or not name.startswith("scales")]
         groups = self._table_groups(bag_offsets, batch_size, _threads(count))
         group_bounds = threads.ranges_tensor(groups)  # keep a reference while C reads it
-        gradient = self._buffer("gradient", len(groups) * self.max_dim, torch.float32)
         if not scaled:
             buffers += [None, None]
         self.lib.neorec_backward_update(
@@ -111,5 +110,4 @@ class NativeKernels:
             self.feature_table.data_ptr(), self.feature_mean.data_ptr(), self.col_offsets.data_ptr(), ids.data_ptr(),
             bag_offsets.data_ptr(), self._pointer(value_weights), batch_size, self.total_cols, grad_output.data_ptr(),
             group_bounds.data_ptr(), len(groups), float(learning_rate), float(eps),
-            float(weight_decay), self._pointer(modified), *[self._pointer(b) for b in buffers], gradient.data_ptr(),
-            self.max_dim)
+            float(weight_decay), self._pointer(modified), *[self._pointer(b) for b in buffers])
