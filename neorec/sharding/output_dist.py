@@ -11,7 +11,7 @@ table-wise columns copied.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,17 +29,49 @@ class OutputPlacement:
     def __init__(self, routing: Routing, device: torch.device) -> None:
         self.routing = routing
         self.columns = torch.tensor(routing.columns, dtype=torch.int64, device=device)
-        self.inverse = None
-        if not routing.additive:
-            self.inverse = torch.empty_like(self.columns)
-            self.inverse[self.columns] = torch.arange(self.columns.numel(), device=device)
+        self.runs: Optional[List[Tuple[int, int, int]]] = None
+        if not routing.additive:  # a permutation of column blocks: copy the blocks
+            self.runs = column_runs(routing.columns)
 
     def place(self, received: torch.Tensor) -> torch.Tensor:
         """[B, len(columns)] in (rank 0..W-1, replicas) column order -> [B, total_dim]."""
-        if self.inverse is not None:
-            return received.index_select(1, self.inverse)
+        if self.runs is not None:
+            return _PermuteColumnBlocks.apply(received, self.runs)
         out = received.new_zeros(received.shape[0], self.routing.total_dim)
         return out.index_add(1, self.columns, received)
+
+
+def column_runs(columns: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """Maximal runs of consecutive ``columns``: (first received column, first output column,
+    width); received column ``i`` goes to output column ``columns[i]``."""
+    runs: List[Tuple[int, int, int]] = []
+    for source, target in enumerate(columns):
+        if runs and runs[-1][1] + runs[-1][2] == target:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((source, target, 1))
+    return runs
+
+
+class _PermuteColumnBlocks(torch.autograd.Function):
+    """out[:, t : t + w] = received[:, s : s + w] for every run (s, t, w); the gradient goes back
+    the same way. One strided block copy per run (a table's columns move together), where a
+    per-column index_select and its scatter-add backward touch every element through an index."""
+
+    @staticmethod
+    def forward(ctx, received, runs):  # type: ignore[override]
+        ctx.runs = runs
+        out = received.new_empty(received.shape[0], sum(w for _, _, w in runs))
+        for source, target, width in runs:
+            out[:, target : target + width].copy_(received[:, source : source + width])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grad = grad_out.new_empty(grad_out.shape[0], sum(w for _, _, w in ctx.runs))
+        for source, target, width in ctx.runs:
+            grad[:, source : source + width].copy_(grad_out[:, target : target + width])
+        return grad, None
 
 
 def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch, pooled: torch.Tensor,
