@@ -4,12 +4,14 @@ One step = forward + backward + row-wise AdaGrad update of every touched row, fp
 pooling, Zipf-distributed ids. Contenders (each run is ``--steps`` steps; runs alternate
 neorec, loop, fbgemm, neorec, loop, fbgemm, ... ``--repeats`` times; medians and ratios):
 
-- ``neorec``: ``neorec.embedding.TableBatchedEmbeddingBags`` (one fused op, optimizer in backward);
+- ``neorec``: ``neorec.embedding.TableBatchedEmbeddingBags`` as users get it (``kernel="auto"``: the
+  native C kernels on CPU, ``neorec/native/tbe.c``; one fused op, optimizer in backward);
+- ``neorec_torch``: the same module on its torch-ops path (``kernel="torch"``);
 - ``loop``:   one ``nn.EmbeddingBag(sparse=True)`` per table + a hand-written row-wise AdaGrad;
 - ``fbgemm``: fbgemm_gpu's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``, EmbeddingLocation.HOST,
   ComputeDevice.CPU, EXACT_ROWWISE_ADAGRAD), when importable (see requirements-peers.txt).
 
-Run (from the repository root, venv active; about 3 minutes on 2 cores):
+Run (from the repository root, venv active; about 4 minutes on 2 cores):
 
     python benchmarks/bench_tbe.py --out benchmarks/results/bench_tbe.json
 
@@ -86,9 +88,10 @@ def make_batches(config: BenchConfig, count: int, seed: int = 0) -> List[KeyedJa
 
 
 # ---------------------------------------------------------------------------------- contenders
-def neorec_step(config: BenchConfig) -> Callable[[KeyedJaggedTensor, torch.Tensor], None]:
+def neorec_step(config: BenchConfig, kernel: str = "auto") -> Callable[[KeyedJaggedTensor, torch.Tensor], None]:
     tables = [TableConfig(f"t{t}", config.num_rows, config.dim, [f"f{t}"]) for t in range(config.num_tables)]
-    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad", LEARNING_RATE, eps=EPS))
+    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad", LEARNING_RATE, eps=EPS),
+                                       kernel=kernel)
 
     def step(kjt: KeyedJaggedTensor, grad: torch.Tensor) -> None:
         module(kjt).values.backward(grad)
@@ -155,11 +158,17 @@ def fbgemm_step(config: BenchConfig) -> Callable[[KeyedJaggedTensor, torch.Tenso
 
 
 # ---------------------------------------------------------------------------------- timing
+def contenders_kernel(config: BenchConfig) -> str:
+    """The path ``kernel="auto"`` takes here ("native", or "torch" when the C kernels cannot build)."""
+    tables = [TableConfig("t", 8, config.dim)]
+    return TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad")).kernel_path()
+
+
 def bench_config(config: BenchConfig, repeats: int, steps: int, warmup: int, use_fbgemm: bool) -> Dict:
     batches = make_batches(config, count=4)
     grads = [torch.randn(config.batch_size, config.num_tables * config.dim, generator=torch.Generator().manual_seed(i))
              for i in range(len(batches))]
-    builders = {"neorec": neorec_step, "loop": loop_step}
+    builders = {"neorec": neorec_step, "neorec_torch": lambda c: neorec_step(c, "torch"), "loop": loop_step}
     if use_fbgemm:
         builders["fbgemm"] = fbgemm_step
     contenders = {name: build(config) for name, build in builders.items()}
@@ -186,6 +195,7 @@ def bench_config(config: BenchConfig, repeats: int, steps: int, warmup: int, use
         "median_ms": medians,
         "all_ms": times,
         "ratios": {f"neorec/{name}": medians["neorec"] / medians[name] for name in medians if name != "neorec"},
+        "kernel": contenders_kernel(config),
     }
     del contenders
     gc.collect()
@@ -230,19 +240,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     fbgemm_version = None if args.no_fbgemm else fbgemm_available()
     report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "machine": machine(),
               "fbgemm_gpu": fbgemm_version, "repeats": repeats, "steps_per_run": args.steps, "results": []}
+    names_shown = ["neorec", "neorec_torch", "loop", "fbgemm"]
     header = f"{'config':8} {'T x rows, dim':>18} {'B':>5} {'L':>3} | " + " ".join(
-        f"{n + ' ms':>10}" for n in ["neorec", "loop", "fbgemm"]) + " | neorec/loop neorec/fbgemm"
+        f"{n + ' ms':>15}" for n in names_shown) + " | fbgemm/neorec neorec_torch/neorec"
     print(header)
     print("-" * len(header))
     for name in names:
         config = table[name]
         result = bench_config(config, repeats, args.steps, args.warmup, fbgemm_version is not None)
         report["results"].append(result)
-        med, ratio = result["median_ms"], result["ratios"]
-        cells = " ".join(f"{med[n]:10.2f}" if n in med else f"{'-':>10}" for n in ["neorec", "loop", "fbgemm"])
-        fb = f"{ratio['neorec/fbgemm']:.2f}" if "neorec/fbgemm" in ratio else "-"
+        med = result["median_ms"]
+        cells = " ".join(f"{med[n]:15.2f}" if n in med else f"{'-':>15}" for n in names_shown)
+        fb = f"{med['fbgemm'] / med['neorec']:.2f}" if "fbgemm" in med else "-"
         print(f"{name:8} {f'{config.num_tables} x {config.num_rows}, {config.dim}':>18} {config.batch_size:5} "
-              f"{config.pooling:3} | {cells} | {ratio['neorec/loop']:11.2f} {fb:>14}", flush=True)
+              f"{config.pooling:3} | {cells} | {fb:>13} {med['neorec_torch'] / med['neorec']:>18.2f}", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -10,13 +10,13 @@
  * maps to SIMD registers without -ffast-math), added pairwise, then the tail. Deterministic. */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float lanes[DOT_LANES] = {0};
-    int64_t d = 0;
-    for (; d + DOT_LANES <= n; d += DOT_LANES)
+    const int64_t full = n - n % DOT_LANES;
+    for (int64_t d = 0; d < full; d += DOT_LANES)
         for (int l = 0; l < DOT_LANES; ++l) lanes[l] += a[d + l] * b[d + l];
     for (int width = DOT_LANES / 2; width > 0; width /= 2)
         for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
     float sum = lanes[0];
-    for (; d < n; ++d) sum += a[d] * b[d];
+    for (int64_t d = full; d < n; ++d) sum += a[d] * b[d];
     return sum;
 }
 
