@@ -21,7 +21,8 @@ Contenders:
 
 Every rank builds both models; each timed run is ``--steps`` steps of one framework; runs alternate
 neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
-median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec. Intra-op
+median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, and rank 0's
+minor page faults per step (each a trip through the kernel, and the hypervisor on a VM). Intra-op
 threads: cores / ranks for both (``--threads``). The loss of every step is kept, and the mean of the first and last
 tenth of the steps is printed, to show both really train.
 
@@ -40,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -203,17 +205,21 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
     torch.set_num_threads(threads)  # the trainer may have set it; keep both equal
     losses: Dict[str, List[float]] = {n: [] for n in runners}
     times: Dict[str, List[float]] = {n: [] for n in runners}
+    faults: Dict[str, List[float]] = {n: [] for n in runners}  # page faults per step (rank 0)
     cursor = {n: 0 for n in runners}
 
     def run(name: str, steps: int) -> float:
         runner = runners[name]
         dist.barrier()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         for _ in range(steps):
             item = batches[cursor[name] % len(batches)]
             cursor[name] += 1
             losses[name].append(runner.step(item))
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
+        return seconds
 
     for name in runners:  # warm-up run each
         run(name, max(2, args.steps // 2))
@@ -224,10 +230,11 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
     if args.profile and rank == 0:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             run("neorec", args.steps)
         table = (prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
-                 + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+                 + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n"
+                 + prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30))
         with open(f"{args.profile}_{c.name}_r{world}.txt", "w") as f:
             f.write(table)
     elif args.profile:
@@ -235,7 +242,7 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
 
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"times": times, "losses": losses, "gen_seconds": gen_s,
+            json.dump({"times": times, "losses": losses, "gen_seconds": gen_s, "faults_per_step": faults,
                        "torchrec_plan": runners["torchrec"].plan,
                        "neorec_plan": str(runners["neorec"].trainer.plan)}, f)
     del runners
@@ -262,7 +269,8 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
             "median_ms_per_step": {n: c.batch_size * world / v * 1e3 for n, v in med.items()},
             "ratio_neorec_over_torchrec": med["neorec"] / med["torchrec"],
             "loss_first_last_tenth": tenth, "losses": raw["losses"], "torchrec_plan": raw["torchrec_plan"],
-            "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"]}
+            "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"],
+            "median_page_faults_per_step": {n: statistics.median(v) for n, v in raw["faults_per_step"].items()}}
 
 
 def main(argv=None) -> int:
