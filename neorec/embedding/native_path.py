@@ -108,10 +108,19 @@ class NativePath:
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor],
              batch_size: int) -> torch.Tensor:
         """[B, total_dim] pooled; ValueError naming the feature and table of an id outside its table."""
+        self._check_buffers()
         pooled, bad = self.kernels().forward(self.module.weights, ids, offsets, weights, batch_size)
         if bad >= 0:
             self._raise_bad_id(ids, offsets, batch_size, bad)
         return pooled
+
+    def _check_buffers(self) -> None:
+        m = self.module
+        for name in ("weights", "momentum1", "modified_rows"):
+            buffer = getattr(m, name, None)
+            if buffer is not None and not buffer.is_contiguous():
+                raise ValueError(f"TableBatchedEmbeddingBags.{name} must stay contiguous for the native kernels "
+                                 f"(it was replaced by a strided tensor); assign with .copy_() instead")
 
     def _raise_bad_id(self, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, position: int) -> None:
         m = self.module
@@ -124,6 +133,7 @@ class NativePath:
     @torch.no_grad()
     def backward(self, ids, offsets, weights, batch_size, grad_output) -> None:
         m = self.module
+        self._check_buffers()
         m.step += 1
         opt = m.optimizer
         self.kernels().backward_update(

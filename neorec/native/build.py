@@ -4,7 +4,8 @@
 The C sources ship with the package and are compiled on first use with the system C compiler
 (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
 library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
-hash of the sources, the flags, the compiler's version and this CPU's model and flags; later
+hash of the sources, the flags, the compiler's version and this CPU's model and flags (a per-user
+folder under the temp directory when that one cannot be written); later
 processes load the cached library (the first build takes about a second) with ctypes.
 
 Threads: the kernels parallelise with OpenMP. The library is loaded after torch, whose libgomp
@@ -78,23 +79,42 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "neorec" / "kernels"
 
 
+def _writable_cache() -> Path:
+    """``cache_dir()``, or a per-user folder under the temp directory when that cannot be created."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    folder = Path(tempfile.gettempdir()) / f"neorec-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def _build(compiler: str) -> Path:
+    """The cached library for this source, compiler and CPU (compiled now when missing). A compiler
+    without OpenMP support (e.g. clang without libomp) gets a single-threaded build."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version,
-                                       _cpu_signature(), platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"neorec_cpu-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed:\n"
-                                    f"{result.stderr.strip()}")
-        os.replace(built, target)  # atomic: concurrent builders (ranks) each rename a complete file
-    return target
+    errors = []
+    for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"] + ["-Wno-unknown-pragmas"]):
+        digest = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(flags), version,
+                                           _cpu_signature(), platform.machine()]).encode()).hexdigest()[:16]
+        name = f"neorec_cpu-{digest}.so"
+        for folder in (cache_dir(), _writable_cache()):
+            if (folder / name).exists():
+                return folder / name
+        target = _writable_cache() / name
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode == 0:
+                os.replace(built, target)  # atomic: concurrent builders (ranks) each rename a complete file
+                return target
+        errors.append(result.stderr.strip())
+    raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed:\n{errors[0]}")
 
 
 def load() -> ctypes.CDLL:

@@ -233,7 +233,8 @@ INLINE int64_t update_sorted(int32_t kind, float *restrict rows_base, float *res
 }
 
 /* One table (its features [feature_begin, feature_end) are adjacent): sort its n values by row,
- * then sum each row's gradient over its values in value order and apply the optimizer once. */
+ * then sum each row's gradient over its values in value order and apply the optimizer once.
+ * Returns the rows updated, or -1 (nothing written) when an id lies outside the table. */
 static int64_t update_table(int32_t kind, float *restrict rows_base, float *restrict state_base, int64_t dim,
                             int64_t num_rows, const int32_t *feature_mean, const int64_t *col_offsets,
                             const int64_t *ids, const int64_t *bag_offsets, const float *value_weights,
@@ -251,6 +252,7 @@ static int64_t update_table(int32_t kind, float *restrict rows_base, float *rest
         const int64_t lo = bag_offsets[bag], hi = bag_offsets[bag + 1];
         const float mean_scale = (feature_mean[bag / batch_size] && hi > lo) ? 1.0f / (float)(hi - lo) : 1.0f;
         for (int64_t i = lo; i < hi; ++i) {
+            if (ids[i] < 0 || ids[i] >= num_rows) return -1; /* changed since the forward checked them */
             keys[i - first] = (uint32_t)ids[i];
             bags[i - first] = (int32_t)bag;
             if (scaled) scales[i - first] = (value_weights ? value_weights[i] : 1.0f) * mean_scale;
@@ -288,12 +290,14 @@ static int64_t update_features(int32_t kind, float *weights, float *state, const
         float *state_base = NULL;
         if (kind == KIND_ROWWISE_ADAGRAD) state_base = state + table_row_offsets[table];
         if (kind == KIND_ADAGRAD) state_base = state + table_offsets[table];
-        updated += update_table(kind, weights + table_offsets[table], state_base, dim, table_rows[table],
+        const int64_t rows = update_table(kind, weights + table_offsets[table], state_base, dim, table_rows[table],
                                 feature_mean, col_offsets, ids, bag_offsets, value_weights, (int32_t)batch_size,
                                 total_cols, grad_output, begin, end, learning_rate, eps, weight_decay,
                                 modified ? modified + table_row_offsets[table] : NULL, keys + skip,
                                 keys_tmp + skip, bags + skip, bags_tmp + skip, scales ? scales + skip : NULL,
                                 scales_tmp ? scales_tmp + skip : NULL);
+        if (rows < 0) return -1;
+        updated += rows;
         begin = end;
     }
     return updated;
@@ -306,7 +310,9 @@ static int64_t update_features(int32_t kind, float *weights, float *state, const
  * modified (nullable): [total_rows] flags set for every updated row.
  * Scratch, n = all values of the batch (a range uses the part at its values' offset): keys,
  * keys_tmp (uint32 [n]), bags, bags_tmp (int32 [n]), scales, scales_tmp (float [n] or NULL; needed
- * when values are weighted or a feature is mean-pooled). Returns the number of rows updated. */
+ * when values are weighted or a feature is mean-pooled). Returns the number of rows updated, or -1
+ * when an id lies outside its table (the ids changed after the forward checked them): that table
+ * is left untouched, others may have been updated. */
 int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const int64_t *table_offsets,
                                const int32_t *table_dims, const int64_t *table_rows,
                                const int64_t *table_row_offsets, const int32_t *feature_table,
@@ -317,16 +323,18 @@ int64_t neorec_backward_update(int32_t kind, float *weights, float *state, const
                                uint32_t *keys_tmp, int32_t *bags, int32_t *bags_tmp, float *scales,
                                float *scales_tmp) {
     const int64_t first = bag_offsets[0];
-    int64_t updated = 0;
-#pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(+ : updated)
+    int64_t updated = 0, failed = 0;
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(+ : updated, failed)
     for (int64_t p = 0; p < parts; ++p) {
         const int64_t begin = groups[2 * p], end = groups[2 * p + 1];
         const int64_t skip = bag_offsets[begin * batch_size] - first;
-        updated += update_features(kind, weights, state, table_offsets, table_dims, table_rows, table_row_offsets,
+        const int64_t rows = update_features(kind, weights, state, table_offsets, table_dims, table_rows, table_row_offsets,
                                    feature_table, feature_mean, col_offsets, ids, bag_offsets, value_weights,
                                    batch_size, total_cols, grad_output, begin, end, learning_rate, eps, weight_decay,
                                    modified, keys + skip, keys_tmp + skip, bags + skip, bags_tmp + skip,
                                    scales ? scales + skip : NULL, scales_tmp ? scales_tmp + skip : NULL);
+        if (rows < 0) failed += 1;
+        else updated += rows;
     }
-    return updated;
+    return failed ? -1 : updated;
 }

@@ -104,10 +104,13 @@ class NativeKernels:
         group_bounds = threads.ranges_tensor(groups)  # keep a reference while C reads it
         if not scaled:
             buffers += [None, None]
-        self.lib.neorec_backward_update(
+        updated = self.lib.neorec_backward_update(
             KIND_CODES[kind], weights.data_ptr(), self._pointer(state), self.table_offsets.data_ptr(),
             self.table_dims.data_ptr(), self.table_rows.data_ptr(), self.table_row_offsets.data_ptr(),
             self.feature_table.data_ptr(), self.feature_mean.data_ptr(), self.col_offsets.data_ptr(), ids.data_ptr(),
             bag_offsets.data_ptr(), self._pointer(value_weights), batch_size, self.total_cols, grad_output.data_ptr(),
             group_bounds.data_ptr(), len(groups), float(learning_rate), float(eps),
             float(weight_decay), self._pointer(modified), *[self._pointer(b) for b in buffers])
+        if updated < 0:
+            raise ValueError("embedding backward: an id lies outside its table, although the forward checked "
+                             "them; were the KeyedJaggedTensor's values changed between forward and backward?")

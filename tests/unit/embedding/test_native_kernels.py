@@ -164,3 +164,18 @@ def test_empty_huge_gives_a_plain_tensor_on_advised_pages():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if sys.platform.startswith("linux") and thp.exists() and "[never]" not in thp.read_text():
         assert advise_huge_pages(torch.empty(MIN_BYTES // 4))
+
+
+def test_native_backward_rechecks_ids_changed_after_the_forward():
+    """The backward trusts nothing: ids mutated in place between forward and backward are an error,
+    not an out-of-bounds write."""
+    tables = make_tables("sum")
+    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="native")
+    values = torch.tensor([1, 2, 3, 4, 4])
+    kjt = KeyedJaggedTensor(["f_a1", "f_a2", "f_b", "f_c", "f_d"], values, torch.tensor([1, 1, 1, 1, 1]))
+    out = module(kjt).values
+    values[4] = 10**9  # the KJT's values tensor, changed in place after the forward
+    before = module.get_table_weight("t8b")
+    with pytest.raises(ValueError, match="changed between forward and backward"):
+        out.sum().backward()
+    assert torch.equal(module.get_table_weight("t8b"), before)
