@@ -179,3 +179,24 @@ def test_native_backward_rechecks_ids_changed_after_the_forward():
     with pytest.raises(ValueError, match="changed between forward and backward"):
         out.sum().backward()
     assert torch.equal(module.get_table_weight("t8b"), before)
+
+
+def test_a_compiler_without_openmp_gets_a_single_threaded_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
+    real_run = native_build.subprocess.run
+    commands = []
+
+    def no_openmp(command, **kwargs):
+        commands.append(command)
+        if "-fopenmp" in command:
+            return real_run(["sh", "-c", "echo 'unsupported option -fopenmp' >&2; exit 1"], **kwargs)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(native_build.subprocess, "run", no_openmp)
+    built = native_build._build(native_build._compiler())
+    assert built.exists() and built.parent == tmp_path
+    compiles = [c for c in commands if "-o" in c]
+    assert len(compiles) == 2 and "-fopenmp" in compiles[0] and "-fopenmp" not in compiles[1]
+    import ctypes
+
+    assert hasattr(ctypes.CDLL(str(built)), "neorec_backward_update")

@@ -19,13 +19,14 @@ def naive_dot(dense, sparse, self_interaction):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("self_interaction", [False, True])
 @pytest.mark.parametrize("num_features", [0, 1, 4])
-def test_dot_matches_naive_loop(num_features, self_interaction):
+def test_dot_matches_naive_loop(num_features, self_interaction, kernel):
     torch.manual_seed(0)
     batch, dim = 5, 3
     dense, sparse = torch.randn(batch, dim), torch.randn(batch, num_features, dim)
-    layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim)
+    layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim, kernel=kernel)
     out = layer(dense, sparse)
     n = num_features + 1
     num_pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
@@ -49,6 +50,41 @@ def test_dot_gradient_matches_naive_loop(self_interaction):
     torch.testing.assert_close(grads[0], grads[1])
     torch.autograd.gradcheck(lambda d, s: layer(d, s), (dense.clone().requires_grad_(),
                                                          sparse.clone().requires_grad_()))
+
+
+@pytest.mark.parametrize("dim", [3, 16, 64, 40])  # 16 / 64: the widths compiled as constants
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_native_dot_forward_and_gradients_match_naive_loop(dim, self_interaction):
+    """The C kernel (fp32) on a batch large enough to be split over threads, with the sparse
+    vectors taken from a wider [B, F * D] tensor (a view, as the DLRM passes them)."""
+    generator = torch.Generator().manual_seed(2)
+    batch, num_features = 300, 6
+    dense = torch.randn(batch, dim, generator=generator, requires_grad=True)
+    pooled = torch.randn(batch, num_features * dim, generator=generator, requires_grad=True)
+    layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim, kernel="native")
+    out = layer(dense, pooled.view(batch, num_features, dim))
+    expected = naive_dot(dense, pooled.view(batch, num_features, dim), self_interaction)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    upstream = torch.randn(out.shape, generator=generator)
+    mine = torch.autograd.grad(out, (dense, pooled), upstream)
+    reference = torch.autograd.grad(expected, (dense, pooled), upstream)
+    for a, b in zip(mine, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    again = torch.autograd.grad(layer(dense, pooled.view(batch, num_features, dim)), (dense, pooled), upstream)
+    assert all(torch.equal(a, b) for a, b in zip(mine, again))  # deterministic
+    strided = torch.randn(num_features, batch, dim, generator=generator).transpose(0, 1)  # not contiguous
+    torch.testing.assert_close(layer(dense, strided), naive_dot(dense, strided, self_interaction),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_dot_kernel_choice():
+    dense64, sparse64 = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    auto = DotInteraction(3, embedding_dim=4)
+    assert auto(dense64, sparse64).dtype == torch.float64  # batched matmuls for what the kernel lacks
+    with pytest.raises(ValueError, match="kernel='native' was asked for but the native interaction takes fp32"):
+        DotInteraction(3, embedding_dim=4, kernel="native")(dense64, sparse64)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        DotInteraction(3, kernel="c")
 
 
 def test_dot_index_buffer_moves_with_module_but_is_not_checkpointed():
