@@ -37,17 +37,7 @@ from bench_e2e import BOTTOM, CONFIGS, NUM_DENSE, TOP  # noqa: E402  (same model
 from bench_tbe import BenchConfig, make_batches  # noqa: E402
 
 from neorec.embedding.memory import empty_huge  # noqa: E402
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 9, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from neorec.planner.calibrate import median_seconds  # noqa: E402
 
 
 def linear_shapes(num_features: int, dim: int) -> List[tuple]:

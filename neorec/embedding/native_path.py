@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from neorec.embedding.kernels.native_tbe import KIND_CODES, NativeKernels
+from neorec.embedding.path_common import PathLookup, features_in_order
 from neorec.native import native_available
 from neorec.sparse.jagged import KeyedJaggedTensor
 
@@ -40,21 +41,6 @@ def native_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[s
     if max(module.table_rows) > 2**32:
         return f"a table of {max(module.table_rows)} rows: the native kernels take at most 2^32 rows per table"
     return native_available()
-
-
-class _NativeLookup(torch.autograd.Function):
-    """Forward: the pooled lookup; backward: the fused gradient + optimizer step. ``anchor`` is a
-    scalar leaf that requires grad, so that autograd calls ``backward`` (the weights are buffers)."""
-
-    @staticmethod
-    def forward(ctx, anchor, path, ids, offsets, weights, batch_size):  # type: ignore[override]
-        ctx.path, ctx.inputs = path, (ids, offsets, weights, batch_size)
-        return path.pool(ids, offsets, weights, batch_size)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        ctx.path.backward(*ctx.inputs, grad_output)
-        return None, None, None, None, None, None
 
 
 class NativePath:
@@ -81,16 +67,7 @@ class NativePath:
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """[B, total_dim] fp32 pooled embeddings, features in ``module.feature_names`` order."""
         m = self.module
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
-        keys = features.keys()
-        if keys != m.feature_names:
-            missing = [k for k in m.feature_names if k not in keys]
-            if missing:
-                raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {m.feature_names}")
-            features = features.permute([keys.index(k) for k in m.feature_names])
-        if features.values.device != m.weights.device:
-            raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {m.weights.device}")
+        features = features_in_order(features, m.feature_names, m.weights.device)
         weights = features.weights
         if weights is not None:
             if weights.requires_grad and torch.is_grad_enabled():
@@ -103,7 +80,7 @@ class NativePath:
         if not torch.is_grad_enabled():
             return self.pool(ids, offsets, weights, batch_size)
         anchor = torch.zeros((), requires_grad=True)
-        return _NativeLookup.apply(anchor, self, ids, offsets, weights, batch_size)
+        return PathLookup.apply(anchor, self, ids, offsets, weights, batch_size)
 
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor],
              batch_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from neorec.embedding.kernels import TableBatchedLayout, triton_available, triton_interpreting
+from neorec.embedding.path_common import PathLookup, features_in_order
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,23 +36,6 @@ def triton_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[s
     if module.dense_gradient or module._replicas is not None:
         return "dense-gradient tables use the torch path"
     return None
-
-
-class _TritonLookup(torch.autograd.Function):
-    """Forward: ``tbe_forward``; backward: ``tbe_backward_update`` on the module's buffers."""
-
-    @staticmethod
-    def forward(ctx, anchor, path, values, offsets, weights, batch_size):  # type: ignore[override]
-        from neorec.embedding.kernels import triton_tbe
-
-        ctx.path, ctx.inputs = path, (values, offsets, weights, batch_size)
-        return triton_tbe.tbe_forward(path.module.weights, path.layout(), values, offsets, batch_size,
-                                      weights, check_ids=False)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        ctx.path.backward(*ctx.inputs, grad_output)
-        return None, None, None, None, None, None
 
 
 class TritonPath:
@@ -76,24 +60,19 @@ class TritonPath:
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """[B, total_dim] fp32 pooled embeddings, features in ``module.feature_names`` order."""
         m = self.module
-        keys = features.keys()
-        if keys != m.feature_names:
-            missing = [k for k in m.feature_names if k not in keys]
-            if missing:
-                raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {m.feature_names}")
-            features = features.permute([keys.index(k) for k in m.feature_names])
-        if features.values.device != m.weights.device:
-            raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {m.weights.device}")
+        features = features_in_order(features, m.feature_names, m.weights.device)
         self._check_ids(features)
-        offsets = features.offsets()
+        inputs = (features.values, features.offsets(), features.weights, features.batch_size)
         if torch.is_grad_enabled():
             anchor = torch.zeros((), device=m.weights.device, requires_grad=True)
-            return _TritonLookup.apply(anchor, self, features.values, offsets, features.weights,
-                                       features.batch_size)
+            return PathLookup.apply(anchor, self, *inputs)
+        return self.pool(*inputs)
+
+    def pool(self, values, offsets, weights, batch_size) -> torch.Tensor:
         from neorec.embedding.kernels import triton_tbe
 
-        return triton_tbe.tbe_forward(m.weights, self.layout(), features.values, offsets,
-                                      features.batch_size, features.weights, check_ids=False)
+        return triton_tbe.tbe_forward(self.module.weights, self.layout(), values, offsets, batch_size, weights,
+                                      check_ids=False)
 
     def _check_ids(self, features: KeyedJaggedTensor) -> None:
         """ValueError naming the feature and table of the first id outside its table."""

@@ -30,7 +30,7 @@ import torch
 from neorec.planner.topology import Topology, default_calibration_path
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
+def median_seconds(fn, repeats: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -47,7 +47,7 @@ def measure_lookup_bandwidth(num_rows: int = 1_000_000, dim: int = 64, num_ids: 
     weight = torch.randn(num_rows, dim, generator=gen)
     ids = torch.randint(0, num_rows, (num_ids,), generator=gen)
     offsets = torch.arange(0, num_ids, 10)
-    seconds = _median_seconds(lambda: torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum"))
+    seconds = median_seconds(lambda: torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum"))
     return num_ids * dim * 4 / seconds
 
 
@@ -71,7 +71,7 @@ def measure_lookup_overheads(dim: int = 4, num_tables: int = 4, seed: int = 0) -
         def step():
             out = tbe(kjt).values
             out.backward(torch.ones_like(out))
-        points.append((int(lengths.sum()), _median_seconds(step)))
+        points.append((int(lengths.sum()), median_seconds(step)))
     (n1, t1), (n2, t2) = points
     per_id = max(0.0, (t2 - t1) / (n2 - n1))
     return {"call": max(0.0, t1 - n1 * per_id), "per_id": per_id}
@@ -79,7 +79,7 @@ def measure_lookup_overheads(dim: int = 4, num_tables: int = 4, seed: int = 0) -
 
 def measure_matmul_flops(size: int = 512) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    seconds = _median_seconds(lambda: a @ b)
+    seconds = median_seconds(lambda: a @ b)
     return 2 * size ** 3 / seconds
 
 
@@ -94,7 +94,7 @@ def _alltoall_worker(rank: int, world: int, directory: str, num_bytes: int, out:
         for label, size in (("big", num_bytes), ("tiny", 4 * world)):
             send = torch.zeros(size // 4 // world * world)
             recv = torch.empty_like(send)
-            seconds = _median_seconds(lambda: (dist.all_to_all_single(recv, send), dist.barrier()), repeats=7)
+            seconds = median_seconds(lambda: (dist.all_to_all_single(recv, send), dist.barrier()), repeats=7)
             results[label] = seconds
         if rank == 0:
             torch.save(results, out)

@@ -1,0 +1,43 @@
+"""What the kernel paths of ``TableBatchedEmbeddingBags`` (``native_path.py``, ``triton_path.py``)
+share: the KeyedJaggedTensor in the module's feature order, and the autograd function whose
+forward pools through the path and whose backward runs the path's fused optimizer step."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+
+def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], device: torch.device) -> KeyedJaggedTensor:
+    """``features`` with exactly ``feature_names`` as keys, in that order (keys may be a superset
+    or a permutation), checked to be on ``device``."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+    keys = features.keys()
+    if keys != feature_names:
+        missing = [k for k in feature_names if k not in keys]
+        if missing:
+            raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {feature_names}")
+        features = features.permute([keys.index(k) for k in feature_names])
+    if features.values.device != device:
+        raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
+    return features
+
+
+class PathLookup(torch.autograd.Function):
+    """Forward: ``path.pool(*inputs)``; backward: ``path.backward(*inputs, grad_output)`` (the fused
+    gradient + optimizer step on the module's buffers). ``anchor`` is a scalar leaf that requires
+    grad, so that autograd calls ``backward`` although the weights are buffers."""
+
+    @staticmethod
+    def forward(ctx, anchor, path, *inputs):  # type: ignore[override]
+        ctx.path, ctx.inputs = path, inputs
+        return path.pool(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.path.backward(*ctx.inputs, grad_output)
+        return (None, None) + (None,) * len(ctx.inputs)
