@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
