@@ -13,8 +13,9 @@ Threads: the kernels parallelise with OpenMP. The library is loaded after torch,
 pool: no second set of spinning threads competes for the cores (``torch.set_num_threads`` bounds
 both). Where torch uses another OpenMP runtime the kernels still run, on their own pool.
 
-No compiler, or a failed build: ``native_available()`` says why, and the callers keep their torch
-ops (or raise when the native kernels were asked for by name).
+No compiler, a failed build, or ``NEOREC_NATIVE=0`` in the environment: ``native_available()``
+says why, and the callers keep their torch ops (or raise when the native kernels were asked for by
+name).
 
     python -c "from neorec.native import native_available; print(native_available() or 'native kernels ready')"
 """
@@ -120,6 +121,8 @@ def _build(compiler: str) -> Path:
 def load() -> ctypes.CDLL:
     """The loaded kernel library (built on first use); NativeUnavailable if that is impossible."""
     global _library, _failure
+    if os.environ.get("NEOREC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        raise NativeUnavailable("the native kernels are switched off (NEOREC_NATIVE=0)")
     with _lock:
         if _library is not None:
             return _library

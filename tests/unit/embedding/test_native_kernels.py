@@ -200,3 +200,12 @@ def test_a_compiler_without_openmp_gets_a_single_threaded_build(monkeypatch, tmp
     import ctypes
 
     assert hasattr(ctypes.CDLL(str(built)), "neorec_backward_update")
+
+
+def test_environment_switch_turns_the_native_kernels_off(monkeypatch):
+    monkeypatch.setenv("NEOREC_NATIVE", "0")
+    assert "switched off (NEOREC_NATIVE=0)" in native_build.native_available()
+    tables = make_tables("sum")
+    assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig()).kernel_path() == "torch"
+    monkeypatch.setenv("NEOREC_NATIVE", "1")
+    assert native_build.native_available() is None
