@@ -22,8 +22,44 @@ static inline const float *vector_of(const float *dense, const float *sparse, in
     return k == 0 ? dense + b * dim : sparse + b * sparse_stride + (k - 1) * dim;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_DOT_BLOCKS 1
+
+/* out[k] = <a, b + k * dim> for k < 8 (dim a multiple of 8): eight independent FMA chains share
+ * the loads of a, then one transposing reduction. A fixed order: deterministic. */
+static inline void dots8(const float *a, const float *b, int64_t dim, float *out) {
+    __m256 s[8];
+    for (int k = 0; k < 8; ++k) s[k] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(a + d);
+        for (int k = 0; k < 8; ++k) s[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + k * dim + d), s[k]);
+    }
+    const __m256 u0 = _mm256_hadd_ps(s[0], s[1]), u1 = _mm256_hadd_ps(s[2], s[3]);
+    const __m256 u2 = _mm256_hadd_ps(s[4], s[5]), u3 = _mm256_hadd_ps(s[6], s[7]);
+    const __m256 w0 = _mm256_hadd_ps(u0, u1), w1 = _mm256_hadd_ps(u2, u3);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(w0, w1, 0x20), _mm256_permute2f128_ps(w0, w1, 0x31)));
+}
+
+/* The same for four vectors. */
+static inline void dots4(const float *a, const float *b, int64_t dim, float *out) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(a + d);
+        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + d), s0);
+        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + dim + d), s1);
+        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * dim + d), s2);
+        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * dim + d), s3);
+    }
+    const __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
+}
+#endif
+
 /* One sample. Always inlined into callers with a constant dim (the common widths), so the loops
- * over dim unroll and the accumulators live in registers; the generic call takes any dim. */
+ * over dim unroll and the accumulators live in registers; the generic call takes any dim. With
+ * AVX2 and a width that is a multiple of 8, the pairs (i, j..j+7) of the sparse vectors (adjacent
+ * in memory) are computed eight or four at a time. */
 static inline __attribute__((always_inline)) void forward_sample(const float *dense, const float *sparse, int64_t n,
                                                                  const int64_t dim, int64_t sparse_stride,
                                                                  int32_t self_interaction, int64_t b, float *row) {
@@ -31,8 +67,15 @@ static inline __attribute__((always_inline)) void forward_sample(const float *de
     float *restrict p = row + dim;
     for (int64_t i = 0; i < n; ++i) {
         const float *vi = vector_of(dense, sparse, b, i, dim, sparse_stride);
-        for (int64_t j = self_interaction ? i : i + 1; j < n; ++j)
-            *p++ = dot(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim);
+        int64_t j = self_interaction ? i : i + 1;
+#ifdef HAVE_DOT_BLOCKS
+        if (dim % 8 == 0) {
+            if (j == 0) *p++ = dot(vi, vi, dim), j = 1; /* v_0 is not beside the sparse vectors */
+            for (; j + 8 <= n; j += 8, p += 8) dots8(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim, p);
+            for (; j + 4 <= n; j += 4, p += 4) dots4(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim, p);
+        }
+#endif
+        for (; j < n; ++j) *p++ = dot(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim);
     }
 }
 
