@@ -22,6 +22,10 @@ row ids are stable-sorted, each unique row's gradient is pooled straight from th
 with ``F.embedding_bag`` (the transpose of the forward), in chunks of at most ``_CHUNK_BYTES`` of
 row gradients, and the optimizer updates exactly those rows in place. Sorted order, no atomics: same bits for
 the same inputs.
+
+The forward and backward above are the torch path. The same buffers are also served by the native C
+kernels (``native_path.py``: CPU fp32 weights, the default there) and the Triton kernels
+(``triton_path.py``: CUDA); ``kernel_choice.py`` picks one per device.
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.kernel_choice import check_kernel, choose_kernel
 from neorec.embedding.layout import DimGroup, build_layout
 from neorec.embedding.lookup import GroupLookup, prepare_lookups
 from neorec.embedding.memory import empty_huge
+from neorec.embedding.native_path import NativePath
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
 from neorec.embedding.replicas import ReplicaGradients
-from neorec.embedding.kernel_choice import check_kernel, choose_kernel
-from neorec.embedding.native_path import NativePath
 from neorec.embedding.triton_path import TritonPath
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor

@@ -162,7 +162,6 @@ class DotInteraction(InteractionArch):
         pairs = _PairwiseDots.apply(vectors, self.flat_pair_index)  # [B, P]
         return torch.cat([dense, pairs], dim=1)
 
-
     def _use_native(self, dense: torch.Tensor, sparse: torch.Tensor) -> bool:
         if self.kernel == "torch":
             return False
