@@ -4,9 +4,9 @@ the ``EmbeddingBagCollection`` layout.
 A rank's fused lookup gives [all ranks' samples, its shard-feature columns + replica columns]. The
 shard-feature columns of rank s's samples (rows of s's block) are sent to s in one all-to-all
 (a differentiable one: backward returns the gradient the reverse way, scaled by ``grad_scale``).
-The owner concatenates what it got from ranks 0..W-1 and its own replica columns, then places
-every column: column pieces side by side in column order, row-wise partial sums ADDED (index_add),
-table-wise columns copied.
+The owner places every column of what it got from ranks 0..W-1 and of its own replica columns:
+without row-wise pieces by block copies straight from those parts; with them, the parts are
+concatenated and the row-wise partial sums ADDED (index_add).
 """
 
 from __future__ import annotations
@@ -24,20 +24,33 @@ from neorec.sparse.keyed import KeyedTensor
 
 
 class OutputPlacement:
-    """Static column placement of one rank's output (same on every rank)."""
+    """Static column placement of one rank's output (same on every rank).
+
+    The received columns are, in order, rank 0's block .. rank W-1's block (``dims_on[r]`` columns
+    each, skipped when empty), then the replica columns. Without row-wise pieces every output
+    column comes from exactly one received column: the placement is a permutation of column
+    blocks, done by one strided copy per run of adjacent columns (``place_parts``), forward and
+    backward, straight from the received buffer. With row-wise pieces the partial sums are added
+    (``index_add``)."""
 
     def __init__(self, routing: Routing, device: torch.device) -> None:
         self.routing = routing
         self.columns = torch.tensor(routing.columns, dtype=torch.int64, device=device)
-        self.runs: Optional[List[Tuple[int, int, int]]] = None
-        if not routing.additive:  # a permutation of column blocks: copy the blocks
-            self.runs = column_runs(routing.columns)
+        self.part_widths = [d for d in routing.dims_on if d] + ([routing.replica_dim] if routing.replica_dim else [])
+        self.runs: Optional[List[Tuple[int, int, int, int]]] = None
+        if not routing.additive:
+            self.runs = part_runs(routing.columns, self.part_widths)
 
-    def place(self, received: torch.Tensor) -> torch.Tensor:
-        """[B, len(columns)] in (rank 0..W-1, replicas) column order -> [B, total_dim]."""
+    def place(self, flat: torch.Tensor, rows: int, replica: Optional[torch.Tensor]) -> torch.Tensor:
+        """The received blocks (``flat``: rank r's [rows, dims_on[r]] block after rank r-1's) and
+        the replica columns ([rows, replica_dim] or None) -> [rows, total_dim]."""
+        widths = [d for d in self.routing.dims_on if d]
+        extras = [replica] if replica is not None else []
         if self.runs is not None:
-            return _PermuteColumnBlocks.apply(received, self.runs)
-        out = received.new_zeros(received.shape[0], self.routing.total_dim)
+            return place_parts(flat, rows, widths, extras, self.runs)
+        parts = _views(flat, rows, widths) + extras
+        received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        out = received.new_zeros(rows, self.routing.total_dim)
         return out.index_add(1, self.columns, received)
 
 
@@ -53,25 +66,63 @@ def column_runs(columns: Sequence[int]) -> List[Tuple[int, int, int]]:
     return runs
 
 
-class _PermuteColumnBlocks(torch.autograd.Function):
-    """out[:, t : t + w] = received[:, s : s + w] for every run (s, t, w); the gradient goes back
-    the same way. One strided block copy per run (a table's columns move together), where a
-    per-column index_select and its scatter-add backward touch every element through an index."""
+def part_runs(columns: Sequence[int], part_widths: Sequence[int]) -> List[Tuple[int, int, int, int]]:
+    """``column_runs`` cut at the boundaries of the received parts: (part, first column in the
+    part, first output column, width)."""
+    starts = [0]
+    for width in part_widths:
+        starts.append(starts[-1] + width)
+    out = []
+    for source, target, width in column_runs(columns):
+        while width:
+            part = max(p for p in range(len(part_widths)) if starts[p] <= source)
+            take = min(width, starts[part + 1] - source)
+            out.append((part, source - starts[part], target, take))
+            source, target, width = source + take, target + take, width - take
+    return out
+
+
+def place_parts(flat: torch.Tensor, rows: int, flat_widths: Sequence[int], extras: Sequence[torch.Tensor],
+                runs: Sequence[Tuple[int, int, int, int]]) -> torch.Tensor:
+    """[rows, total] output with ``out[:, t : t + w] = part_p[:, s : s + w]`` for every run
+    (p, s, t, w), the runs covering every output column once. Parts: ``flat`` holds blocks
+    [rows, flat_widths[k]] one after the other (parts 0 .. len(flat_widths) - 1, what an
+    all-to-all received), then the ``extras`` ([rows, w] each). Differentiable in ``flat`` and the
+    extras; the gradient of ``flat`` is written straight into one buffer (no split/cat copies)."""
+    return _PlaceParts.apply(runs, rows, tuple(flat_widths), flat, *extras)
+
+
+def _views(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> List[torch.Tensor]:
+    views, start = [], 0
+    for width in widths:
+        views.append(flat[start : start + rows * width].view(rows, width))
+        start += rows * width
+    return views
+
+
+class _PlaceParts(torch.autograd.Function):
+    """One strided block copy per run, forward and backward (where a per-column ``index_select``
+    and its scatter-add backward touch every element through an index, and concatenating the
+    parts costs a full extra copy each way)."""
 
     @staticmethod
-    def forward(ctx, received, runs):  # type: ignore[override]
-        ctx.runs = runs
-        out = received.new_empty(received.shape[0], sum(w for _, _, w in runs))
-        for source, target, width in runs:
-            out[:, target : target + width].copy_(received[:, source : source + width])
+    def forward(ctx, runs, rows, flat_widths, flat, *extras):  # type: ignore[override]
+        ctx.runs, ctx.rows, ctx.flat_widths = runs, rows, flat_widths
+        ctx.flat_numel, ctx.extra_shapes = flat.numel(), [e.shape for e in extras]
+        parts = _views(flat, rows, flat_widths) + list(extras)
+        out = flat.new_empty(rows, sum(w for _, _, _, w in runs))
+        for part, source, target, width in runs:
+            out[:, target : target + width].copy_(parts[part][:, source : source + width])
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        grad = grad_out.new_empty(grad_out.shape[0], sum(w for _, _, w in ctx.runs))
-        for source, target, width in ctx.runs:
-            grad[:, source : source + width].copy_(grad_out[:, target : target + width])
-        return grad, None
+        grad_flat = grad_out.new_empty(ctx.flat_numel)
+        grad_extras = [grad_out.new_empty(shape) for shape in ctx.extra_shapes]
+        parts = _views(grad_flat, ctx.rows, ctx.flat_widths) + grad_extras
+        for part, source, target, width in ctx.runs:
+            parts[part][:, source : source + width].copy_(grad_out[:, target : target + width])
+        return (None, None, None, grad_flat, *grad_extras)
 
 
 def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch, pooled: torch.Tensor,
@@ -97,12 +148,10 @@ def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch,
 
     def finish() -> KeyedTensor:
         flat = exchange.wait()
-        blocks = list(flat.split(recv))
-        parts = [block.view(own, routing.dims_on[r]) for r, block in enumerate(blocks) if routing.dims_on[r]]
+        replica = None
         if routing.replica_dim:
             offset = local.sample_offset(rank)
-            parts.append(pooled[offset : offset + own, width:])
-        received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        return KeyedTensor(routing.feature_names, routing.feature_dims, placement.place(received))
+            replica = pooled[offset : offset + own, width:]
+        return KeyedTensor(routing.feature_names, routing.feature_dims, placement.place(flat, own, replica))
 
     return Awaitable([], finish)
