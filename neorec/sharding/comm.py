@@ -137,8 +137,6 @@ class _DifferentiableAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         grad_output = grad_output.contiguous()
-        if ctx.grad_scale != 1.0:
-            grad_output = grad_output * ctx.grad_scale
         grad_input = grad_output.new_empty(sum(ctx.send_splits))
         if ctx.stats is not None:
             ctx.stats.record(ctx.name + ".backward", _remote_bytes(ctx.recv_splits, dist.get_rank(ctx.group),
@@ -147,6 +145,8 @@ class _DifferentiableAllToAll(torch.autograd.Function):
         dist.all_to_all_single(grad_input, grad_output, ctx.send_splits, ctx.recv_splits, group=ctx.group)
         if ctx.stats is not None:
             ctx.stats.add_blocked(ctx.name + ".backward", time.perf_counter() - start)
+        if ctx.grad_scale != 1.0:  # scaling after the exchange: the same products, no extra buffer
+            grad_input.mul_(ctx.grad_scale)
         return None, grad_input, None, None, None, None, None, None, None
 
 
