@@ -92,12 +92,15 @@ class NativePath:
         return pooled
 
     def _check_buffers(self) -> None:
+        """The C kernels read raw memory: the buffers must still be contiguous and of the dtype they
+        were built with (``module.double()``, say, would change them under the chosen path)."""
         m = self.module
-        for name in ("weights", "momentum1", "modified_rows"):
+        for name, dtype in (("weights", torch.float32), ("momentum1", torch.float32), ("modified_rows", torch.bool)):
             buffer = getattr(m, name, None)
-            if buffer is not None and not buffer.is_contiguous():
-                raise ValueError(f"TableBatchedEmbeddingBags.{name} must stay contiguous for the native kernels "
-                                 f"(it was replaced by a strided tensor); assign with .copy_() instead")
+            if buffer is not None and (not buffer.is_contiguous() or buffer.dtype != dtype):
+                raise ValueError(f"TableBatchedEmbeddingBags.{name} must stay a contiguous {dtype} tensor for the "
+                                 f"native kernels, it is now {buffer.dtype} with strides {buffer.stride()}; "
+                                 f"assign with .copy_(), or build the module with kernel='torch'")
 
     def _raise_bad_id(self, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, position: int) -> None:
         m = self.module

@@ -1,8 +1,7 @@
 /* Native CPU kernels of the table-batched embedding op (fp32 weights).
  *
  * Built on first use by neorec/native/build.py with the system C compiler and called through ctypes
- * (neorec/embedding/kernels/native_tbe.py), which releases the GIL, so several Python threads run
- * the kernels on disjoint work ranges at once. Layout and semantics are those of
+ * (neorec/embedding/kernels/native_tbe.py). Layout and semantics are those of
  * neorec/embedding/kernels/layout.py and reference.py:
  *
  *   weights: one flat fp32 buffer; table t: table_rows[t] x table_dims[t] row-major from element
@@ -34,14 +33,12 @@ static inline void prefetch_row(const float *row, int64_t dim, int write) {
         if (write) __builtin_prefetch(row + d, 1);
         else __builtin_prefetch(row + d, 0);
     }
-    __builtin_prefetch(row + dim - 1, write);
+    if (write) __builtin_prefetch(row + dim - 1, 1); /* the last line when dim is not a multiple */
+    else __builtin_prefetch(row + dim - 1, 0);
 }
 
 /* ----------------------------------------------------------------------------------- forward */
 
-/* Pools bags [bag_begin, bag_end). Returns -1, or the position of the first id (in that range)
- * outside its table, in which case the output of the range is not complete. Rows are prefetched
- * PREFETCH_DISTANCE values ahead, across bags of the same feature (bags of one id are common). */
 /* One bag of one table: dst[0..dim) = sum of its rows (times scale). Returns -1, or the position of
  * an id outside the table. */
 INLINE int64_t pool_bag(const float *base, int64_t rows, const int64_t dim, const int64_t *ids, int64_t start,
@@ -78,6 +75,9 @@ INLINE int64_t pool_bag(const float *base, int64_t rows, const int64_t dim, cons
     return -1;
 }
 
+/* Pools bags [bag_begin, bag_end). Returns -1, or the position of the first id (in that range)
+ * outside its table, in which case the output of the range is not complete. Rows are prefetched
+ * PREFETCH_DISTANCE values ahead, across bags of the same feature (bags of one id are common). */
 static int64_t forward_range(const float *weights, const int64_t *table_offsets, const int32_t *table_dims,
                              const int64_t *table_rows, const int32_t *feature_table, const int32_t *feature_mean,
                              const int64_t *col_offsets, const int64_t *ids, const int64_t *bag_offsets,

@@ -94,8 +94,9 @@ class NativeKernels:
         count = int(bag_offsets[-1]) - first
         if count == 0:
             return
-        if count >= 2**31:
-            raise ValueError(f"the native embedding kernels take < 2^31 ids per batch, got {count}")
+        if count >= 2**31 or self.num_features * batch_size >= 2**31:
+            raise ValueError(f"the native embedding kernels take < 2^31 ids and bags per batch, got {count} ids "
+                             f"in {self.num_features * batch_size} bags; use kernel='torch'")
         scaled = value_weights is not None or bool(self.feature_mean.any())
         buffers = [self._buffer(name, count, dtype) for name, dtype in (
             ("keys", torch.int32), ("keys_tmp", torch.int32), ("bags", torch.int32), ("bags_tmp", torch.int32),

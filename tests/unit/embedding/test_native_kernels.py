@@ -209,3 +209,13 @@ def test_environment_switch_turns_the_native_kernels_off(monkeypatch):
     assert TableBatchedEmbeddingBags(tables, SparseOptimizerConfig()).kernel_path() == "torch"
     monkeypatch.setenv("NEOREC_NATIVE", "1")
     assert native_build.native_available() is None
+
+
+def test_native_refuses_buffers_changed_under_it():
+    tables = make_tables("sum")
+    module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad"), kernel="native")
+    kjt = make_batch(tables, 3, torch.Generator().manual_seed(0), weighted=False)
+    module(kjt)
+    module.double()  # the buffers become float64 while the module stays on the native path
+    with pytest.raises(ValueError, match="weights must stay a contiguous torch.float32 tensor"):
+        module(kjt)
