@@ -98,15 +98,16 @@ def _build(compiler: str) -> Path:
     """The cached library for this source, compiler and CPU (compiled now when missing). A compiler
     without OpenMP support (e.g. clang without libomp) gets a single-threaded build."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    inputs = [*(s.read_text() for s in SOURCES + HEADERS), version, _cpu_signature(), platform.machine()]
+    folder = _writable_cache()
     errors = []
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"] + ["-Wno-unknown-pragmas"]):
-        digest = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(flags), version,
-                                           _cpu_signature(), platform.machine()]).encode()).hexdigest()[:16]
+        digest = hashlib.sha256("\0".join(inputs + [" ".join(flags)]).encode()).hexdigest()[:16]
         name = f"neorec_cpu-{digest}.so"
-        for folder in (cache_dir(), _writable_cache()):
-            if (folder / name).exists():
-                return folder / name
-        target = _writable_cache() / name
+        for built_before in (cache_dir() / name, folder / name):  # a read-only cache may hold it
+            if built_before.exists():
+                return built_before
+        target = folder / name
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],

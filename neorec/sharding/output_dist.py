@@ -36,19 +36,19 @@ class OutputPlacement:
     def __init__(self, routing: Routing, device: torch.device) -> None:
         self.routing = routing
         self.columns = torch.tensor(routing.columns, dtype=torch.int64, device=device)
-        self.part_widths = [d for d in routing.dims_on if d] + ([routing.replica_dim] if routing.replica_dim else [])
+        self.flat_widths = [d for d in routing.dims_on if d]  # the received blocks' widths
         self.runs: Optional[List[Tuple[int, int, int, int]]] = None
         if not routing.additive:
-            self.runs = part_runs(routing.columns, self.part_widths)
+            replica = [routing.replica_dim] if routing.replica_dim else []
+            self.runs = part_runs(routing.columns, self.flat_widths + replica)
 
     def place(self, flat: torch.Tensor, rows: int, replica: Optional[torch.Tensor]) -> torch.Tensor:
         """The received blocks (``flat``: rank r's [rows, dims_on[r]] block after rank r-1's) and
         the replica columns ([rows, replica_dim] or None) -> [rows, total_dim]."""
-        widths = [d for d in self.routing.dims_on if d]
         extras = [replica] if replica is not None else []
         if self.runs is not None:
-            return place_parts(flat, rows, widths, extras, self.runs)
-        parts = _views(flat, rows, widths) + extras
+            return place_parts(flat, rows, self.flat_widths, extras, self.runs)
+        parts = _views(flat, rows, self.flat_widths) + extras
         received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         out = received.new_zeros(rows, self.routing.total_dim)
         return out.index_add(1, self.columns, received)

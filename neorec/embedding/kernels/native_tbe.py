@@ -35,7 +35,6 @@ class NativeKernels:
         self.col_offsets = torch.tensor(list(col_offsets), dtype=torch.int64)
         self.num_features = len(self.feature_table)
         self.total_cols = sum(int(table_dims[t]) for t in feature_table)
-        self.max_dim = max([int(d) for d in table_dims], default=1)
         self._feature_table = [int(t) for t in feature_table]  # host copy for splitting the work
         self._scratch: dict = {}
 
