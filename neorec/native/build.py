@@ -1,5 +1,5 @@
 """Build and load neorec's native CPU kernels (``tbe.c``: the table-batched embedding op,
-``interaction.c``: the DLRM dot interaction).
+``interaction.c``: the DLRM dot interaction, ``blocks.c``: row-by-row column-block copies).
 
 The C sources ship with the package and are compiled on first use with the system C compiler
 (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-SOURCES = [Path(__file__).with_name("tbe.c"), Path(__file__).with_name("interaction.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("tbe.c", "interaction.c", "blocks.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
 
@@ -48,6 +48,7 @@ SIGNATURES = {
                                       _P, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P]),
     "neorec_dot_interaction_forward": (None, [_P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P]),
     "neorec_dot_interaction_backward": (None, [_P, _P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P, _P]),
+    "neorec_copy_blocks": (None, [_I64, _I64, _P, _P, _P, _P, _P, _I64]),
 }
 
 _lock = threading.Lock()

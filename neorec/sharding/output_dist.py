@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from neorec.native.blocks import copy_blocks
 from neorec.sharding.comm import Awaitable, CommStats, differentiable_all_to_all
 from neorec.sharding.input_dist import LocalBatch
 from neorec.sharding.qcomm import CommConfig, quantized_all_to_all
@@ -101,9 +102,10 @@ def _views(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> List[torch.T
 
 
 class _PlaceParts(torch.autograd.Function):
-    """One strided block copy per run, forward and backward (where a per-column ``index_select``
-    and its scatter-add backward touch every element through an index, and concatenating the
-    parts costs a full extra copy each way)."""
+    """The runs' block copies, forward and backward (where a per-column ``index_select`` and its
+    scatter-add backward touch every element through an index, and concatenating the parts costs
+    a full extra copy each way), all blocks of a row before the next row on CPU
+    (``neorec.native.blocks.copy_blocks``)."""
 
     @staticmethod
     def forward(ctx, runs, rows, flat_widths, flat, *extras):  # type: ignore[override]
@@ -111,8 +113,8 @@ class _PlaceParts(torch.autograd.Function):
         ctx.flat_numel, ctx.extra_shapes = flat.numel(), [e.shape for e in extras]
         parts = _views(flat, rows, flat_widths) + list(extras)
         out = flat.new_empty(rows, sum(w for _, _, _, w in runs))
-        for part, source, target, width in runs:
-            out[:, target : target + width].copy_(parts[part][:, source : source + width])
+        copy_blocks([(out[:, target : target + width], parts[part][:, source : source + width])
+                     for part, source, target, width in runs])
         return out
 
     @staticmethod
@@ -120,8 +122,8 @@ class _PlaceParts(torch.autograd.Function):
         grad_flat = grad_out.new_empty(ctx.flat_numel)
         grad_extras = [grad_out.new_empty(shape) for shape in ctx.extra_shapes]
         parts = _views(grad_flat, ctx.rows, ctx.flat_widths) + grad_extras
-        for part, source, target, width in ctx.runs:
-            parts[part][:, source : source + width].copy_(grad_out[:, target : target + width])
+        copy_blocks([(parts[part][:, source : source + width], grad_out[:, target : target + width])
+                     for part, source, target, width in ctx.runs])
         return (None, None, None, grad_flat, *grad_extras)
 
 

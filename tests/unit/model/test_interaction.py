@@ -52,13 +52,16 @@ def test_dot_gradient_matches_naive_loop(self_interaction):
                                                          sparse.clone().requires_grad_()))
 
 
-@pytest.mark.parametrize("dim", [3, 16, 64, 40])  # 16 / 64: the widths compiled as constants
+# 16 / 64: widths compiled as constants; 64 / 96: multiples of 32, the AVX2 backward (two rows at
+# a time: an odd and an even number of vectors n = F + 1); 3 / 40: the plain loops
+@pytest.mark.parametrize("dim", [3, 16, 64, 40, 96])
+@pytest.mark.parametrize("num_features", [5, 6])
 @pytest.mark.parametrize("self_interaction", [False, True])
-def test_native_dot_forward_and_gradients_match_naive_loop(dim, self_interaction):
+def test_native_dot_forward_and_gradients_match_naive_loop(dim, num_features, self_interaction):
     """The C kernel (fp32) on a batch large enough to be split over threads, with the sparse
     vectors taken from a wider [B, F * D] tensor (a view, as the DLRM passes them)."""
     generator = torch.Generator().manual_seed(2)
-    batch, num_features = 300, 6
+    batch = 300
     dense = torch.randn(batch, dim, generator=generator, requires_grad=True)
     pooled = torch.randn(batch, num_features * dim, generator=generator, requires_grad=True)
     layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim, kernel="native")

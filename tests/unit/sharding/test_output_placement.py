@@ -37,3 +37,49 @@ def test_placing_parts_equals_concatenation_and_index_select_forward_and_backwar
     mine = torch.autograd.grad(placed, (flat, replica), grad)
     reference = torch.autograd.grad(expected, (flat, replica), grad)
     assert all(torch.equal(a, b) for a, b in zip(mine, reference))
+
+
+def _block_pairs(rows: int, widths, dtype, generator):
+    """A column-block permutation of a [rows, sum(widths)] source (rows padded: a row stride wider
+    than the blocks) into a fresh destination: (pairs, source, destination, permutation)."""
+    total = sum(widths)
+    source = (torch.randn(rows, total + 3, generator=generator) * 100).to(dtype)[:, 1 : total + 1]
+    destination = torch.zeros(rows, total, dtype=dtype)
+    order = torch.randperm(len(widths), generator=generator).tolist()
+    starts = [sum(widths[:k]) for k in range(len(widths))]
+    pairs, target = [], 0
+    for k in order:
+        pairs.append((destination[:, target : target + widths[k]], source[:, starts[k] : starts[k] + widths[k]]))
+        target += widths[k]
+    return pairs, source, destination, order
+
+
+def test_copy_blocks_equals_copy_per_block(monkeypatch):
+    """The native row-by-row copy (large enough for two threads) gives exactly what copy_ per
+    block gives, for several dtypes, odd widths and a padded source row stride."""
+    from neorec.native.blocks import copy_blocks
+
+    generator = torch.Generator().manual_seed(3)
+    for dtype, rows in ((torch.float32, 5000), (torch.float16, 300), (torch.int64, 7)):
+        widths = [64, 1, 3, 64, 17, 64, 64, 128]
+        pairs, source, destination, order = _block_pairs(rows, widths, dtype, generator)
+        copy_blocks(pairs)
+        expected = torch.cat([pairs[i][1] for i in range(len(order))], dim=1)
+        assert torch.equal(destination, expected)
+        monkeypatch.setenv("NEOREC_NATIVE", "0")  # the plain path agrees
+        fallback = [(torch.empty_like(d), s) for d, s in pairs]
+        copy_blocks(fallback)
+        assert torch.equal(torch.cat([d for d, _ in fallback], dim=1), expected)
+        monkeypatch.delenv("NEOREC_NATIVE")
+
+
+def test_copy_blocks_falls_back_for_other_layouts():
+    """Blocks the native copy does not take (a column stride, rows that differ between pairs) are
+    copied with copy_, and empty blocks are skipped."""
+    from neorec.native.blocks import copy_blocks
+
+    source = torch.randn(6, 8)
+    strided = torch.empty(8, 6).t()  # [6, 8] with column stride 6
+    other_rows = torch.empty(3, 2)
+    copy_blocks([(strided, source), (other_rows, source[:3, :2]), (torch.empty(6, 0), source[:, :0])])
+    assert torch.equal(strided, source) and torch.equal(other_rows, source[:3, :2])

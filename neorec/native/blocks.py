@@ -1,0 +1,49 @@
+"""Copies of many column blocks at once (``neorec/native/blocks.c``): ``dst.copy_(src)`` for every
+pair, done row by row across all the blocks instead of block after block.
+
+A permutation of narrow column blocks of a wide matrix (the sharded embedding output: one 64-wide
+block per table) done block after block walks every row of the matrix once per block, each row on
+another 4 KiB page; measured in a 2-rank training step, 26 such [2048, 64] copies each way took
+~18 ms per step. Row by row, one row's pages serve all its blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+from neorec.native import build, threads
+
+MIN_BYTES_PER_THREAD = 1 << 20  # a thread is worth starting for about a MiB of copying
+
+
+def _native_ok(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    rows = pairs[0][0].shape[0]
+    for dst, src in pairs:
+        if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or dst.dim() != 2
+                or dst.shape != src.shape or dst.shape[0] != rows or (dst.shape[1] > 1 and
+                                                                     (dst.stride(1) != 1 or src.stride(1) != 1))):
+            return False
+    return build.native_available() is None
+
+
+def copy_blocks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair. The fast path takes 2-D CPU tensors with
+    the same number of rows, equal dtype and shape in each pair and unit column stride (any row
+    stride); anything else is copied pair by pair with ``copy_``. Destinations must not overlap
+    each other or the sources."""
+    pairs = [(d, s) for d, s in pairs if d.numel()]
+    if not pairs:
+        return
+    if not _native_ok(pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    rows = pairs[0][0].shape[0]
+    size = pairs[0][0].element_size()
+    table = torch.tensor([[s.data_ptr(), s.stride(0) * size, d.data_ptr(), d.stride(0) * size, d.shape[1] * size]
+                          for d, s in pairs], dtype=torch.int64).t().contiguous()
+    total = int(table[4].sum()) * rows
+    build.load().neorec_copy_blocks(rows, len(pairs), *(table[k].data_ptr() for k in range(5)),
+                                    threads.threads_for(total, MIN_BYTES_PER_THREAD))
