@@ -339,8 +339,13 @@ class DLRM(nn.Module):
                 f"DLRM: dense must be [B, {self.dense_arch.num_dense}], got {tuple(dense.shape)}"
             )
         batch = dense.shape[0]
+        # a sharded sparse arch returns its pooled rows through a collective: launch it first and
+        # run the bottom MLP while the rows travel
+        launch = getattr(self.sparse_arch, "forward_awaitable", None)
+        pending = launch(sparse) if launch is not None else None
         dense_out = self.dense_arch(dense)  # [B, D]
-        sparse_values = self._sparse_values(self.sparse_arch(sparse), batch)  # [B, sum(dims)]
+        embedded = pending.wait() if pending is not None else self.sparse_arch(sparse)
+        sparse_values = self._sparse_values(embedded, batch)  # [B, sum(dims)]
         if self.interaction_type == "dot":
             sparse_values = sparse_values.reshape(batch, len(self.embedding_dims), dense_out.shape[1])
         return self.over_arch(self.interaction(dense_out, sparse_values)).squeeze(-1)

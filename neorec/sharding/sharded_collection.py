@@ -30,7 +30,7 @@ from torch import nn
 
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
-from neorec.sharding.comm import Awaitable, CommStats, all_reduce_mean_reducer
+from neorec.sharding.comm import Awaitable, CommStats, all_reduce_mean_reducer, ready
 from neorec.sharding.input_dist import LocalBatch, input_dist
 from neorec.sharding.output_dist import OutputPlacement, output_dist
 from neorec.sharding.plan import ShardingPlan, ShardingType
@@ -160,13 +160,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return launched[2].wait()
         return self.input_dist(features).wait()
 
+    def forward_awaitable(self, features: KeyedJaggedTensor) -> Awaitable[KeyedTensor]:
+        """``forward`` with the return of the pooled rows still in flight: ``wait()`` gives what
+        ``forward`` returns. The caller computes in between (the DLRM runs its bottom MLP while the
+        rows travel). With a ``timeline`` the exchange is waited for at once (timed phases)."""
+        if self.timeline is not None:
+            return ready(self.forward(features))
+        local = self._local_batch(features)
+        return self.output_dist(local, self.compute(local))
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """``features``: this rank's samples (keys ⊇ feature_names). Returns values [B, total_dim].
         With a ``timeline`` attribute (a ``StepTimeline``), the phases are timed."""
         timeline = self.timeline
         if timeline is None:
-            local = self._local_batch(features)
-            return self.output_dist(local, self.compute(local)).wait()
+            return self.forward_awaitable(features).wait()
         with timeline.phase("input_dist"):
             local = self._local_batch(features)
         with timeline.phase("lookup"):

@@ -149,3 +149,26 @@ def test_trains_on_learnable_problem(sparse_arch_factory, interaction):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_sparse_arch_exchange_in_flight_while_bottom_mlp_runs(sparse_arch_factory, kjt_factory):
+    """A sparse arch with ``forward_awaitable`` (the sharded collection) is launched before the
+    bottom MLP and waited for after it; the logits equal those of its blocking forward."""
+    from neorec.sharding.comm import Awaitable
+
+    events = []
+
+    class Launching(sparse_arch_factory):
+        def forward_awaitable(self, kjt):
+            events.append("launch")
+            return Awaitable([], lambda: events.append("wait") or self.forward(kjt))
+
+    torch.manual_seed(0)
+    model = make_model(Launching)
+    model.dense_arch.register_forward_hook(lambda *_: events.append("bottom mlp"))
+    dense, kjt = torch.randn(6, 3), kjt_factory(TABLES, 6)
+    logits = model(dense, kjt)
+    assert events == ["launch", "bottom mlp", "wait"]
+    blocking = make_model(sparse_arch_factory)
+    blocking.load_state_dict(model.state_dict())
+    assert torch.equal(logits, blocking(dense, kjt))
