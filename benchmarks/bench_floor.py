@@ -3,7 +3,11 @@
 Measures, for 1 thread and for all cores:
 
 - sgemm rate on the DLRM's own matrix shapes (forward, and the two backward products of each
-  ``nn.Linear``), so the dense part's floor is FLOPs / measured rate, not a datasheet peak;
+  ``nn.Linear``), so the dense part's floor is FLOPs / measured rate, not a datasheet peak; and
+  the same with the interaction width rounded up to a multiple of 8 (415 -> 416 at pool1), to show
+  what an odd width costs the GEMM library;
+- the core's peak FMA rate (``fma_peak.c``, AVX2 + FMA machines with a C compiler), to say how
+  close the GEMMs run to the hardware;
 - streaming copy bandwidth (a 256 MiB ``copy_``, warm buffers);
 - random 256-byte row reads from an 800 MiB table (``index_select``), on 4 KiB pages and on
   transparent huge pages (``neorec.embedding.memory.empty_huge``),
@@ -25,8 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shutil
+import subprocess
 import sys
-from typing import Dict, List
+import tempfile
+from typing import Dict, List, Optional
 
 import torch
 
@@ -38,9 +46,11 @@ from neorec.embedding.memory import empty_huge  # noqa: E402
 from neorec.planner.calibrate import median_seconds  # noqa: E402
 
 
-def linear_shapes(num_features: int, dim: int) -> List[tuple]:
-    """(in, out) of every Linear of the benchmark's DLRM."""
+def linear_shapes(num_features: int, dim: int, align: int = 1) -> List[tuple]:
+    """(in, out) of every Linear of the benchmark's DLRM (the interaction width rounded up to a
+    multiple of ``align``)."""
     interaction = dim + (num_features + 1) * num_features // 2
+    interaction = -(-interaction // align) * align
     sizes = [NUM_DENSE] + BOTTOM + [dim]
     top = [interaction] + TOP + [1]
     return list(zip(sizes[:-1], sizes[1:])) + list(zip(top[:-1], top[1:]))
@@ -62,6 +72,21 @@ def gemm_step_seconds(batch: int, shapes: List[tuple]) -> Dict[str, float]:
     total["seconds"] = total["forward"] + total["weight_grad"] + total["input_grad"]
     total["gflops_per_s"] = total["flops"] / total["seconds"] / 1e9
     return total
+
+
+def fma_peak_gflops(copies: int) -> Optional[float]:
+    """Sum of the FMA rates of ``copies`` simultaneous single-thread probes (None when this is not
+    an x86 machine with AVX2 + FMA and a C compiler)."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    compiler = shutil.which(os.environ.get("CC", "") or "cc") or shutil.which("gcc")
+    if platform.machine() != "x86_64" or " avx2" not in flags or " fma" not in flags or compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "fma_peak")
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+        subprocess.run([compiler, "-O2", "-mavx2", "-mfma", source, "-o", binary], check=True)
+        probes = [subprocess.Popen([binary], stdout=subprocess.PIPE, text=True) for _ in range(copies)]
+        return sum(float(p.communicate()[0].split()[0]) for p in probes)
 
 
 def copy_bandwidth() -> float:
@@ -104,24 +129,30 @@ def main(argv=None) -> int:
     report: Dict = {"torch": torch.__version__, "cpus": cores, "threads": {}}
     for threads in sorted({1, cores}):
         torch.set_num_threads(threads)
-        entry: Dict = {"copy_bytes_per_s": copy_bandwidth(),
+        entry: Dict = {"fma_peak_gflops_per_s": fma_peak_gflops(threads), "copy_bytes_per_s": copy_bandwidth(),
                        "random_row_ns_4k_pages": random_row_ns(False), "random_row_ns_huge_pages": random_row_ns(True)}
         for name, c in CONFIGS.items():
             gemm = gemm_step_seconds(c.batch_size, linear_shapes(c.num_tables, c.dim))
+            gemm_aligned = gemm_step_seconds(c.batch_size, linear_shapes(c.num_tables, c.dim, align=8))
             access = embedding_accesses(name)
             row_ns = entry["random_row_ns_huge_pages"]
             embedding_seconds = access["unique_rows"] * row_ns * 1e-9 \
                 + 2 * c.batch_size * c.num_tables * c.dim * 4 / entry["copy_bytes_per_s"]
-            entry[name] = {"gemm": gemm, **access, "embedding_floor_s": embedding_seconds,
+            entry[name] = {"gemm": gemm, "gemm_width_aligned_to_8": gemm_aligned, **access,
+                           "embedding_floor_s": embedding_seconds,
                            "step_floor_s": gemm["seconds"] + embedding_seconds}
         report["threads"][threads] = entry
-        print(f"threads {threads}: copy {entry['copy_bytes_per_s'] / 1e9:.1f} GB/s, random 256 B row "
+        peak = entry["fma_peak_gflops_per_s"]
+        print(f"threads {threads}: FMA peak {f'{peak:.0f} GFLOP/s' if peak else 'not measured'}, "
+              f"copy {entry['copy_bytes_per_s'] / 1e9:.1f} GB/s, random 256 B row "
               f"{entry['random_row_ns_4k_pages']:.0f} ns (4 KiB pages) / {entry['random_row_ns_huge_pages']:.0f} ns "
               f"(huge pages)")
         for name in CONFIGS:
             e = entry[name]
             print(f"  {name}: dense GEMMs {e['gemm']['flops'] / 1e9:.2f} GFLOP at {e['gemm']['gflops_per_s']:.0f} GFLOP/s"
-                  f" = {e['gemm']['seconds'] * 1e3:.1f} ms; embedding {e['ids']} ids, {e['unique_rows']} unique rows"
+                  f" = {e['gemm']['seconds'] * 1e3:.1f} ms (interaction width aligned to 8:"
+                  f" {e['gemm_width_aligned_to_8']['gflops_per_s']:.0f} GFLOP/s,"
+                  f" {e['gemm_width_aligned_to_8']['seconds'] * 1e3:.1f} ms); embedding {e['ids']} ids, {e['unique_rows']} unique rows"
                   f" -> {e['embedding_floor_s'] * 1e3:.1f} ms; step floor {e['step_floor_s'] * 1e3:.1f} ms", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
