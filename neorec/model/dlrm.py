@@ -23,6 +23,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from neorec.model.aligned_linear import AlignedLinear
 from neorec.model.native_interaction import dot_interaction, native_interaction_supported
 from neorec.native import native_available
 from neorec.sparse.jagged import KeyedJaggedTensor
@@ -43,9 +44,11 @@ def dlrm_init_(linear: nn.Linear) -> None:
 
 
 def _linear(in_dim: int, out_dim: int, bias: bool = True) -> nn.Linear:
+    """An ``nn.Linear`` (``AlignedLinear``: faster backward on CPU for widths not a multiple of 8)
+    with the DLRM reference init."""
     with warnings.catch_warnings():  # num_dense = 0 gives a [out, 0] weight; nothing to init
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
-        layer = nn.utils.skip_init(nn.Linear, in_dim, out_dim, bias=bias)  # no throw-away init
+        layer = nn.utils.skip_init(AlignedLinear, in_dim, out_dim, bias=bias)  # no throw-away init
     dlrm_init_(layer)
     return layer
 

@@ -50,11 +50,13 @@ class _DotInteraction(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         library = load()
         dense, sparse = ctx.saved_tensors
-        grad_out = grad_out.to(torch.float32).contiguous()
+        if grad_out.dtype != torch.float32 or grad_out.stride(1) != 1:  # rows may be padded (AlignedLinear)
+            grad_out = grad_out.to(torch.float32).contiguous()
         batch, num_features, dim = sparse.shape
         grad_dense = torch.empty(batch, dim, dtype=torch.float32)
         grad_sparse = torch.empty(batch, num_features, dim, dtype=torch.float32)
-        library.neorec_dot_interaction_backward(grad_out.data_ptr(), dense.data_ptr(), sparse.data_ptr(),
+        library.neorec_dot_interaction_backward(grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(),
+                                                sparse.data_ptr(),
                                                 num_features, dim, sparse.stride(0), int(ctx.self_interaction),
                                                 batch, threads_for(batch, MIN_SAMPLES_PER_THREAD),
                                                 grad_dense.data_ptr(), grad_sparse.data_ptr())

@@ -152,21 +152,20 @@ void neorec_dot_interaction_forward(const float *dense, const float *sparse, int
     }
 }
 
-/* All B samples over ``threads`` threads. grad_out [B, dim + P]; grad_dense [B, dim]; grad_sparse
- * [B, F * dim]. */
-void neorec_dot_interaction_backward(const float *grad_out, const float *dense, const float *sparse,
-                                     int64_t num_features, int64_t dim, int64_t sparse_stride,
+/* All B samples over ``threads`` threads. grad_out: rows of grad_stride floats holding dim + P;
+ * grad_dense [B, dim]; grad_sparse [B, F * dim]. */
+void neorec_dot_interaction_backward(const float *grad_out, int64_t grad_stride, const float *dense,
+                                     const float *sparse, int64_t num_features, int64_t dim, int64_t sparse_stride,
                                      int32_t self_interaction, int64_t batch, int64_t threads, float *grad_dense,
                                      float *grad_sparse) {
     const int64_t n = num_features + 1;
-    const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
 #pragma omp parallel num_threads((int)threads)
     {
         float *symmetric = malloc((size_t)(n * n) * sizeof(float));
         if (symmetric == NULL) abort();
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; ++b) {
-            const float *g = grad_out + b * (dim + pairs);
+            const float *g = grad_out + b * grad_stride;
             const float *gp = g + dim;
             for (int64_t i = 0; i < n; ++i) {
                 symmetric[i * n + i] = 0.0f;

@@ -75,6 +75,11 @@ def test_native_dot_forward_and_gradients_match_naive_loop(dim, num_features, se
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     again = torch.autograd.grad(layer(dense, pooled.view(batch, num_features, dim)), (dense, pooled), upstream)
     assert all(torch.equal(a, b) for a, b in zip(mine, again))  # deterministic
+    padded = torch.zeros(batch, out.shape[1] + 5)  # an upstream gradient with padded rows (AlignedLinear's)
+    padded[:, : out.shape[1]] = upstream
+    strided_grad = torch.autograd.grad(layer(dense, pooled.view(batch, num_features, dim)), (dense, pooled),
+                                       padded[:, : out.shape[1]])
+    assert all(torch.equal(a, b) for a, b in zip(mine, strided_grad))
     strided = torch.randn(num_features, batch, dim, generator=generator).transpose(0, 1)  # not contiguous
     torch.testing.assert_close(layer(dense, strided), naive_dot(dense, strided, self_interaction),
                                rtol=1e-5, atol=1e-5)
