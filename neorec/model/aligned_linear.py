@@ -3,10 +3,10 @@ to a multiple of 8.
 
 The backward of ``y = x W^T + b`` forms ``grad_x = g W`` and ``grad_W = g^T x``; both have the
 layer's input width K as their output width. CPU GEMM libraries run much slower when that width is
-not a multiple of the SIMD width: on the 2-core AVX2 test machine (MKL, torch 2.13) the DLRM's top
-layer with K = 64 + 351 = 415 took 5.8 ms per product at 2 threads against 4.9 ms at K = 416, and
-the bottom layer's K = 13 0.86 ms against 0.54 ms at K = 16 (``benchmarks/bench_floor.py``
-reports the whole step). So for CPU fp32 inputs whose K is not a multiple of 8, the backward pads
+not a multiple of the SIMD width: on the 2-core AVX2 test machine (MKL, torch 2.13) all the GEMMs
+of a pool1 DLRM step (top layer K = 64 + 351 = 415, bottom layer K = 13) take 37.0 ms at 2 threads,
+35.4 ms with K padded to a multiple of 8 (``benchmarks/bench_floor.py``; the dense part end to
+end: ``benchmarks/bench_aligned_linear.py``). So for CPU fp32 inputs whose K is not a multiple of 8, the backward pads
 W and x with zero columns (a copy of a few MB, ~0.1 ms), multiplies, and returns the first K
 columns: the same products (the zero columns add nothing to any sum that is kept), at the
 faster shape. Parameters, ``state_dict`` and the forward (whose K is the reduction, where the
