@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from bench_e2e import BOTTOM, CONFIGS, NUM_DENSE, TOP  # noqa: E402  (same model
 from bench_tbe import BenchConfig, make_batches  # noqa: E402
 
 from neorec.embedding.memory import empty_huge  # noqa: E402
+from neorec.native.build import find_compiler  # noqa: E402
 from neorec.planner.calibrate import median_seconds  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def fma_peak_gflops(copies: int) -> Optional[float]:
     """Sum of the FMA rates of ``copies`` simultaneous single-thread probes (None when this is not
     an x86 machine with AVX2 + FMA and a C compiler)."""
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    compiler = shutil.which(os.environ.get("CC", "") or "cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if platform.machine() != "x86_64" or " avx2" not in flags or " fma" not in flags or compiler is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:

@@ -168,10 +168,10 @@ class DotInteraction(InteractionArch):
     def _use_native(self, dense: torch.Tensor, sparse: torch.Tensor) -> bool:
         if self.kernel == "torch":
             return False
-        supported = native_interaction_supported(dense, sparse)
-        reason = None if supported else "the native interaction takes fp32 CPU tensors"
-        if supported:
+        if native_interaction_supported(dense, sparse):
             reason = native_available()
+        else:
+            reason = "the native interaction takes fp32 CPU tensors"
         if self.kernel == "native" and reason is not None:
             raise ValueError(f"DotInteraction: kernel='native' was asked for but {reason}")
         return reason is None

@@ -60,7 +60,8 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot be built or loaded here (the message says why)."""
 
 
-def _compiler() -> Optional[str]:
+def find_compiler() -> Optional[str]:
+    """``$CC``, else the first of cc / gcc / clang on the PATH (None when there is none)."""
     for name in [os.environ.get("CC", "")] + ["cc", "gcc", "clang"]:
         if name and shutil.which(name):
             return shutil.which(name)
@@ -133,7 +134,7 @@ def load() -> ctypes.CDLL:
         try:
             if sys.byteorder != "little" or ctypes.sizeof(ctypes.c_void_p) != 8:
                 raise NativeUnavailable("the native kernels need a 64-bit little-endian machine")
-            compiler = _compiler()
+            compiler = find_compiler()
             if compiler is None:
                 raise NativeUnavailable("no C compiler found (set CC, or install gcc or clang)")
             library = ctypes.CDLL(str(_build(compiler)))

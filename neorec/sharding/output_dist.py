@@ -30,8 +30,8 @@ class OutputPlacement:
     The received columns are, in order, rank 0's block .. rank W-1's block (``dims_on[r]`` columns
     each, skipped when empty), then the replica columns. Without row-wise pieces every output
     column comes from exactly one received column: the placement is a permutation of column
-    blocks, done by one strided copy per run of adjacent columns (``place_parts``), forward and
-    backward, straight from the received buffer. With row-wise pieces the partial sums are added
+    blocks (runs of adjacent columns), copied row by row straight from the received buffer
+    (``place_parts``), forward and backward. With row-wise pieces the partial sums are added
     (``index_add``)."""
 
     def __init__(self, routing: Routing, device: torch.device) -> None:

@@ -100,7 +100,7 @@ def test_auto_takes_native_where_it_serves_and_torch_elsewhere():
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch):
     monkeypatch.setattr(native_build, "_library", None)
     monkeypatch.setattr(native_build, "_failure", None)
-    monkeypatch.setattr(native_build, "_compiler", lambda: None)
+    monkeypatch.setattr(native_build, "find_compiler", lambda: None)
     assert "no C compiler found" in native_build.native_available()
     tables = make_tables("sum")
     fallback = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad"), init_seed=3)
@@ -114,7 +114,7 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch):
 
 def test_build_goes_to_the_cache_folder_and_is_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
-    compiler = native_build._compiler()
+    compiler = native_build.find_compiler()
     first = native_build._build(compiler)
     assert first.parent == tmp_path and first.suffix == ".so" and first.stat().st_size > 0
     stamp = first.stat().st_mtime_ns
@@ -193,7 +193,7 @@ def test_a_compiler_without_openmp_gets_a_single_threaded_build(monkeypatch, tmp
         return real_run(command, **kwargs)
 
     monkeypatch.setattr(native_build.subprocess, "run", no_openmp)
-    built = native_build._build(native_build._compiler())
+    built = native_build._build(native_build.find_compiler())
     assert built.exists() and built.parent == tmp_path
     compiles = [c for c in commands if "-o" in c]
     assert len(compiles) == 2 and "-fopenmp" in compiles[0] and "-fopenmp" not in compiles[1]
