@@ -161,11 +161,19 @@ def input_dist(routing: Routing, rank: int, features: KeyedJaggedTensor, group: 
     return Awaitable([], finish, progress=launch_payload)
 
 
+# Up to this many blocks, a CPU block permutation is one ``cat`` of slices (a copy at memory speed);
+# beyond, or on an accelerator (no host sync), a gather by a computed index.
+_MAX_SLICED_BLOCKS = 1024
+
+
 def _permute_blocks(values: torch.Tensor, block_lengths: torch.Tensor) -> torch.Tensor:
     """``values`` in blocks ordered (source, key) [S, K] -> the same blocks ordered (key, source)."""
     num_sources, num_keys = block_lengths.shape
     if num_sources == 1 or num_keys <= 1 or values.numel() == 0:
         return values
+    if values.device.type == "cpu" and num_sources * num_keys <= _MAX_SLICED_BLOCKS:
+        blocks = values.split(block_lengths.reshape(-1).tolist())
+        return torch.cat([blocks[s * num_keys + k] for k in range(num_keys) for s in range(num_sources)])
     source_starts = _exclusive_cumsum(block_lengths.reshape(-1)).view(num_sources, num_keys).t().reshape(-1)
     target_lengths = block_lengths.t().reshape(-1)
     target_starts = _exclusive_cumsum(target_lengths)

@@ -160,6 +160,25 @@ def test_permute_blocks():
     assert out.tolist() == [1, 4, 5, 2, 3]
 
 
+@pytest.mark.parametrize("sliced", [True, False])
+def test_permute_blocks_matches_a_python_reference(monkeypatch, sliced):
+    # both ways of permuting (slices + cat for few blocks, a computed gather for many)
+    import neorec.sharding.input_dist as input_dist
+
+    monkeypatch.setattr(input_dist, "_MAX_SLICED_BLOCKS", 1024 if sliced else 0)
+    generator = torch.Generator().manual_seed(3)
+    block_lengths = torch.randint(0, 5, (3, 4), generator=generator)
+    values = torch.randint(0, 100, (int(block_lengths.sum()),), generator=generator)
+    flat = values.tolist()
+    blocks, start = {}, 0
+    for s in range(3):
+        for k in range(4):
+            n = int(block_lengths[s, k])
+            blocks[s, k], start = flat[start : start + n], start + n
+    expected = [v for k in range(4) for s in range(3) for v in blocks[s, k]]
+    assert _permute_blocks(values, block_lengths).tolist() == expected
+
+
 def test_example_plan_fits_the_tiny_config():
     from pathlib import Path
 
