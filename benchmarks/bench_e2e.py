@@ -33,6 +33,7 @@ Run (repository root, venv active, peers: `pip install -r benchmarks/requirement
     python benchmarks/bench_e2e.py --configs pool1 --ranks 1 --steps 5 --repeats 3    # one cell
     python benchmarks/bench_e2e.py --quick                                            # smoke run
     python benchmarks/bench_e2e.py --profile neorec_profile    # also a torch.profiler table of neorec's step
+    python benchmarks/bench_e2e.py --trace /tmp/t    # chrome traces of one neorec run per rank (trace_timeline.py)
 """
 
 from __future__ import annotations
@@ -239,6 +240,12 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
             f.write(table)
     elif args.profile:
         run("neorec", args.steps)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run("neorec", args.steps)
+        prof.export_chrome_trace(f"{args.trace}_{c.name}_r{world}_rank{rank}.json")
 
     if rank == 0:
         with open(result_path, "w") as f:
@@ -282,6 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=8, help="distinct global batches, cycled")
     p.add_argument("--quick", action="store_true", help="small tables and batches (smoke test)")
     p.add_argument("--profile", default="", help="write torch.profiler tables of one neorec run to PREFIX_*.txt")
+    p.add_argument("--trace", default="", help="write a chrome trace of one neorec run per rank to PREFIX_*_rankN.json")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / ranks)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
