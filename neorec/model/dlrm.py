@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from neorec.model.aligned_linear import AlignedLinear
-from neorec.model.native_interaction import dot_interaction, native_interaction_supported
+from neorec.model.native_interaction import dot_interaction, dot_interaction_blocks, native_interaction_supported
 from neorec.native import native_available
+from neorec.sparse.column_blocks import ColumnBlocks
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
@@ -152,8 +153,19 @@ class DotInteraction(InteractionArch):
             raise ValueError("DotInteraction.output_dim: build it with embedding_dim=D to know it")
         return self.embedding_dim + self.num_interactions
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    def forward(self, dense: torch.Tensor, sparse: Union[torch.Tensor, ColumnBlocks]) -> torch.Tensor:
+        """``sparse``: [B, F, D], or [B, F * D] as ``ColumnBlocks`` (a sharded collection's received
+        parts), which the native kernel reads in place (any other path copies them together)."""
         batch, dim = dense.shape
+        if isinstance(sparse, ColumnBlocks):
+            if sparse.rows != batch or sparse.width != self.num_sparse_features * dim:
+                raise ValueError(
+                    f"DotInteraction: sparse must be [B, F * D] = [{batch}, {self.num_sparse_features * dim}] "
+                    f"to match dense {tuple(dense.shape)}, got column blocks of {sparse.rows} x {sparse.width}"
+                )
+            if self._use_native(dense, sparse):
+                return dot_interaction_blocks(dense, sparse, self.self_interaction)
+            sparse = sparse.materialize().view(batch, self.num_sparse_features, dim)
         if sparse.shape != (batch, self.num_sparse_features, dim):
             raise ValueError(
                 f"DotInteraction: sparse must be [B, F, D] = [{batch}, {self.num_sparse_features}, "
@@ -165,7 +177,7 @@ class DotInteraction(InteractionArch):
         pairs = _PairwiseDots.apply(vectors, self.flat_pair_index)  # [B, P]
         return torch.cat([dense, pairs], dim=1)
 
-    def _use_native(self, dense: torch.Tensor, sparse: torch.Tensor) -> bool:
+    def _use_native(self, dense: torch.Tensor, sparse: Union[torch.Tensor, ColumnBlocks]) -> bool:
         if self.kernel == "torch":
             return False
         if native_interaction_supported(dense, sparse):
@@ -315,25 +327,29 @@ class DLRM(nn.Module):
             self.interaction = DCNInteraction(dense_dim + sum(dims), dcn_num_layers, dcn_low_rank)
         self.over_arch = OverArch(self.interaction.output_dim, over_layers)
 
-    def _sparse_values(self, pooled: KeyedTensor, batch: int) -> torch.Tensor:
-        """[B, sum(dims)] pooled embeddings in this model's feature order, checked."""
-        values = pooled.values
-        if self.feature_keys is not None and pooled.keys != self.feature_keys:
+    def _sparse_values(self, pooled: KeyedTensor, batch: int) -> Union[torch.Tensor, ColumnBlocks]:
+        """[B, sum(dims)] pooled embeddings in this model's feature order, checked; the dot
+        interaction takes them as the column blocks a sharded sparse arch received, when in order."""
+        in_order = self.feature_keys is None or pooled.keys == self.feature_keys
+        if in_order:
+            dims = pooled.length_per_key
+        else:
             if sorted(pooled.keys) != sorted(self.feature_keys):
                 raise ValueError(
                     f"DLRM: sparse_arch returned features {pooled.keys}, model expects "
                     f"{self.feature_keys}"
                 )
-            values = torch.cat([pooled[k] for k in self.feature_keys], dim=1)
             dims = [pooled.length_per_key[pooled.keys.index(k)] for k in self.feature_keys]
-        else:
-            dims = pooled.length_per_key
-        if list(dims) != self.embedding_dims or values.shape[0] != batch:
+        if list(dims) != self.embedding_dims or pooled.batch_size != batch:
             raise ValueError(
-                f"DLRM: sparse_arch returned [B={values.shape[0]}] with dims {list(dims)}, expected "
+                f"DLRM: sparse_arch returned [B={pooled.batch_size}] with dims {list(dims)}, expected "
                 f"B={batch} and dims {self.embedding_dims} (keys {self.feature_keys})"
             )
-        return values
+        if not in_order:
+            return torch.cat([pooled[k] for k in self.feature_keys], dim=1)
+        if pooled.blocks is not None and self.interaction_type == "dot":
+            return pooled.blocks
+        return pooled.values
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """dense [B, num_dense] float, sparse KeyedJaggedTensor with batch B -> logits [B]."""
@@ -349,7 +365,7 @@ class DLRM(nn.Module):
         dense_out = self.dense_arch(dense)  # [B, D]
         embedded = pending.wait() if pending is not None else self.sparse_arch(sparse)
         sparse_values = self._sparse_values(embedded, batch)  # [B, sum(dims)]
-        if self.interaction_type == "dot":
+        if self.interaction_type == "dot" and isinstance(sparse_values, torch.Tensor):
             sparse_values = sparse_values.reshape(batch, len(self.embedding_dims), dense_out.shape[1])
         return self.over_arch(self.interaction(dense_out, sparse_values)).squeeze(-1)
 

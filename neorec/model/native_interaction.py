@@ -5,21 +5,30 @@ vector, then the pairwise dot products, exactly what ``DotInteraction`` returns,
 both inputs. It computes only the P pairs per sample (no [B, F+1, D] concatenation, no [B, F+1, F+1]
 Gram matrix) and splits the samples over ``torch.get_num_threads()`` (OpenMP) threads. fp32 CPU tensors only;
 ``DotInteraction`` keeps its batched-matmul path everywhere else.
+
+``dot_interaction_blocks(dense, blocks, self_interaction)``: the same with the sparse vectors given
+as ``ColumnBlocks`` ([B, F * D] as column blocks of other tensors, what a sharded collection
+received): each sample's vectors are gathered from the blocks in the kernel and their gradients
+scattered back, so the [B, F * D] matrix is never built. Same bits as
+``dot_interaction(dense, blocks.materialize().view(B, F, D), ...)``.
 """
 
 from __future__ import annotations
+
+from typing import List, Sequence, Tuple, Union
 
 import torch
 
 from neorec.native import load
 from neorec.native.threads import threads_for
+from neorec.sparse.column_blocks import ColumnBlocks
 
 MIN_SAMPLES_PER_THREAD = 128
 
 
-def native_interaction_supported(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
-    return (dense.device.type == "cpu" and sparse.device.type == "cpu"
-            and dense.dtype == torch.float32 and sparse.dtype == torch.float32)
+def native_interaction_supported(dense: torch.Tensor, sparse: Union[torch.Tensor, ColumnBlocks]) -> bool:
+    tensors = [dense] + ([sparse.flat, *sparse.extras] if isinstance(sparse, ColumnBlocks) else [sparse])
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
 def _operands(dense: torch.Tensor, sparse: torch.Tensor):
@@ -66,3 +75,65 @@ class _DotInteraction(torch.autograd.Function):
 def dot_interaction(dense: torch.Tensor, sparse: torch.Tensor, self_interaction: bool) -> torch.Tensor:
     """dense [B, D], sparse [B, F, D] fp32 CPU -> [B, D + P] (see the module docstring)."""
     return _DotInteraction.apply(dense, sparse, self_interaction)
+
+
+def _block_table(parts: Sequence[torch.Tensor], runs, dim: int) -> Tuple[torch.Tensor, List[int]]:
+    """int64 [4, runs]: per run the address of its first element in sample 0, the row stride in
+    bytes, the byte offset in a sample's [F * dim] vectors, the bytes per sample (kernels' layout)."""
+    size = 4  # fp32
+    table = torch.tensor([[parts[p].data_ptr() + s * size, parts[p].stride(0) * size, t * size, w * size]
+                          for p, s, t, w in runs], dtype=torch.int64).t().contiguous()
+    return table, [table[k].data_ptr() for k in range(4)]
+
+
+class _DotInteractionBlocks(torch.autograd.Function):
+    """``dot_interaction`` reading the sparse vectors from column blocks (``ColumnBlocks``)."""
+
+    @staticmethod
+    def forward(ctx, dense, self_interaction, num_features, rows, flat_widths, runs, flat, *extras):  # type: ignore[override]
+        library = load()
+        dense = dense.contiguous()
+        extras = tuple(e if e.stride(1) == 1 else e.contiguous() for e in extras)
+        blocks = ColumnBlocks(flat.contiguous(), rows, flat_widths, extras, runs)
+        batch, dim = dense.shape
+        n = num_features + 1
+        pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
+        out = torch.empty(batch, dim + pairs, dtype=torch.float32)
+        _table, pointers = _block_table(blocks.parts(), runs, dim)
+        library.neorec_dot_interaction_forward_blocks(dense.data_ptr(), num_features, dim, int(self_interaction),
+                                                      batch, threads_for(batch, MIN_SAMPLES_PER_THREAD), len(runs),
+                                                      *pointers, out.data_ptr())
+        ctx.save_for_backward(dense, blocks.flat, *extras)
+        ctx.meta = (bool(self_interaction), num_features, rows, flat_widths, runs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        library = load()
+        dense, flat, *extras = ctx.saved_tensors
+        self_interaction, num_features, rows, flat_widths, runs = ctx.meta
+        if grad_out.dtype != torch.float32 or grad_out.stride(1) != 1:  # rows may be padded (AlignedLinear)
+            grad_out = grad_out.to(torch.float32).contiguous()
+        batch, dim = dense.shape
+        blocks = ColumnBlocks(flat, rows, flat_widths, tuple(extras), runs)
+        grads = ColumnBlocks(torch.empty_like(flat), rows, flat_widths, tuple(torch.empty(e.shape) for e in extras),
+                             runs)  # every column of the parts is one run's: all written
+        grad_dense = torch.empty(batch, dim, dtype=torch.float32)
+        _table, pointers = _block_table(blocks.parts(), runs, dim)
+        _grad_table, grad_pointers = _block_table(grads.parts(), runs, dim)
+        library.neorec_dot_interaction_backward_blocks(grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(),
+                                                       num_features, dim, int(self_interaction), batch,
+                                                       threads_for(batch, MIN_SAMPLES_PER_THREAD), len(runs),
+                                                       *pointers, grad_pointers[0], grad_pointers[1],
+                                                       grad_dense.data_ptr())
+        return (grad_dense, None, None, None, None, None, grads.flat, *grads.extras)
+
+
+def dot_interaction_blocks(dense: torch.Tensor, blocks: ColumnBlocks, self_interaction: bool) -> torch.Tensor:
+    """dense [B, D], blocks: [B, F * D] as ColumnBlocks (fp32 CPU) -> [B, D + P]."""
+    batch, dim = dense.shape
+    if blocks.rows != batch or blocks.width % dim:
+        raise ValueError(f"dot_interaction_blocks: blocks of {blocks.rows} x {blocks.width} do not hold "
+                         f"[{batch}, F * {dim}] vectors")
+    return _DotInteractionBlocks.apply(dense, bool(self_interaction), blocks.width // dim, blocks.rows,
+                                       blocks.flat_widths, blocks.runs, blocks.flat, *blocks.extras)

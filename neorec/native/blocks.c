@@ -9,14 +9,8 @@
  * pages of one source row and one destination row serve every block. Rows are split over
  * ``threads`` OpenMP threads; blocks must not overlap (each byte of the result is written once). */
 #include <stdint.h>
-#include <string.h>
 
-/* n bytes: 32-byte pieces inline (a block row is typically 64 floats: 8 of them), the rest by memcpy. */
-static inline void copy_bytes(char *restrict to, const char *restrict from, int64_t n) {
-    int64_t done = 0;
-    for (; done + 32 <= n; done += 32) __builtin_memcpy(to + done, from + done, 32);
-    if (done < n) memcpy(to + done, from + done, (size_t)(n - done));
-}
+#include "common.h"
 
 void neorec_copy_blocks(int64_t rows, int64_t count, const int64_t *src, const int64_t *src_stride,
                         const int64_t *dst, const int64_t *dst_stride, const int64_t *bytes, int64_t threads) {

@@ -48,6 +48,9 @@ SIGNATURES = {
                                       _P, _I64, _F32, _F32, _F32, _P, _P, _P, _P, _P, _P, _P]),
     "neorec_dot_interaction_forward": (None, [_P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P]),
     "neorec_dot_interaction_backward": (None, [_P, _I64, _P, _P, _I64, _I64, _I64, _I32, _I64, _I64, _P, _P]),
+    "neorec_dot_interaction_forward_blocks": (None, [_P, _I64, _I64, _I32, _I64, _I64, _I64, _P, _P, _P, _P, _P]),
+    "neorec_dot_interaction_backward_blocks": (None, [_P, _I64, _P, _I64, _I64, _I32, _I64, _I64, _I64, _P, _P,
+                                                      _P, _P, _P, _P, _P]),
     "neorec_copy_blocks": (None, [_I64, _I64, _P, _P, _P, _P, _P, _I64]),
 }
 

@@ -3,6 +3,7 @@
 #define NEOREC_NATIVE_COMMON_H
 
 #include <stdint.h>
+#include <string.h>
 
 #define DOT_LANES 16
 
@@ -33,5 +34,12 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     }
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* n bytes: 32-byte pieces inline (a row of a 64-float column block is 8 of them), the rest by memcpy. */
+static inline void copy_bytes(char *restrict to, const char *restrict from, int64_t n) {
+    int64_t done = 0;
+    for (; done + 32 <= n; done += 32) __builtin_memcpy(to + done, from + done, 32);
+    if (done < n) __builtin_memcpy(to + done, from + done, (size_t)(n - done));
+}
 
 #endif

@@ -10,6 +10,12 @@
  * Only the pairs are computed (half the work of the full Gram matrix a batched matmul forms), the
  * vectors stay in L1 cache, and no [B, n, D] concatenation or [B, n, n] Gram matrix is built. Each
  * sample is handled by one (OpenMP) thread in a fixed order: the same inputs give the same bits.
+ *
+ * The ``_blocks`` entry points read the sparse vectors from column blocks of other matrices (the
+ * parts a sharded embedding collection received, see neorec/sharding/output_dist.py) instead of
+ * one [B, F * D] matrix: each sample's F vectors are gathered into a small per-thread buffer (L1),
+ * and the backward scatters their gradients the same way, so the [B, F * D] matrix of the
+ * placement is never written nor read back. They give the same bits as placement + interaction.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,9 +23,10 @@
 
 #include "common.h"
 
-static inline const float *vector_of(const float *dense, const float *sparse, int64_t b, int64_t k, int64_t dim,
-                                     int64_t sparse_stride) {
-    return k == 0 ? dense + b * dim : sparse + b * sparse_stride + (k - 1) * dim;
+/* Vector k of one sample: v_0 (the dense vector) or its sparse vector k - 1 (the F sparse vectors of
+ * a sample are adjacent). */
+static inline const float *vector_of(const float *dense_row, const float *sparse_row, int64_t k, int64_t dim) {
+    return k == 0 ? dense_row : sparse_row + (k - 1) * dim;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -61,38 +68,38 @@ static inline void dots4(const float *a, const float *b, int64_t dim, float *out
  * AVX2 and a width that is a multiple of 8, the pairs (i, j..j+7) of the sparse vectors (adjacent
  * in memory) are computed eight or four at a time. */
 static inline __attribute__((always_inline)) void forward_sample(const float *dense, const float *sparse, int64_t n,
-                                                                 const int64_t dim, int64_t sparse_stride,
-                                                                 int32_t self_interaction, int64_t b, float *row) {
-    memcpy(row, dense + b * dim, (size_t)dim * sizeof(float));
+                                                                 const int64_t dim, int32_t self_interaction,
+                                                                 float *row) {
+    memcpy(row, dense, (size_t)dim * sizeof(float));
     float *restrict p = row + dim;
     for (int64_t i = 0; i < n; ++i) {
-        const float *vi = vector_of(dense, sparse, b, i, dim, sparse_stride);
+        const float *vi = vector_of(dense, sparse, i, dim);
         int64_t j = self_interaction ? i : i + 1;
 #ifdef HAVE_DOT_BLOCKS
         if (dim % 8 == 0) {
             if (j == 0) *p++ = dot(vi, vi, dim), j = 1; /* v_0 is not beside the sparse vectors */
-            for (; j + 8 <= n; j += 8, p += 8) dots8(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim, p);
-            for (; j + 4 <= n; j += 4, p += 4) dots4(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim, p);
+            for (; j + 8 <= n; j += 8, p += 8) dots8(vi, vector_of(dense, sparse, j, dim), dim, p);
+            for (; j + 4 <= n; j += 4, p += 4) dots4(vi, vector_of(dense, sparse, j, dim), dim, p);
         }
 #endif
-        for (; j < n; ++j) *p++ = dot(vi, vector_of(dense, sparse, b, j, dim, sparse_stride), dim);
+        for (; j < n; ++j) *p++ = dot(vi, vector_of(dense, sparse, j, dim), dim);
     }
 }
 
 static inline __attribute__((always_inline)) void backward_sample(const float *g, const float *dense,
                                                                   const float *sparse, int64_t n, const int64_t dim,
-                                                                  int64_t sparse_stride, const float *symmetric,
-                                                                  int64_t b, float *grad_dense, float *grad_sparse) {
+                                                                  const float *symmetric, float *grad_dense,
+                                                                  float *grad_sparse) {
     for (int64_t i = 0; i < n; ++i) {
         float acc[dim];
         for (int64_t d = 0; d < dim; ++d) acc[d] = i == 0 ? g[d] : 0.0f;
         const float *s = symmetric + i * n;
         for (int64_t j = 0; j < n; ++j) {
             const float weight = s[j];
-            const float *restrict vj = vector_of(dense, sparse, b, j, dim, sparse_stride);
+            const float *restrict vj = vector_of(dense, sparse, j, dim);
             for (int64_t d = 0; d < dim; ++d) acc[d] += weight * vj[d];
         }
-        float *target = i == 0 ? grad_dense + b * dim : grad_sparse + b * (n - 1) * dim + (i - 1) * dim;
+        float *target = i == 0 ? grad_dense : grad_sparse + (i - 1) * dim;
         for (int64_t d = 0; d < dim; ++d) target[d] = acc[d];
     }
 }
@@ -103,13 +110,12 @@ static inline __attribute__((always_inline)) void backward_sample(const float *g
  * serves two rows: eight FMA chains, two broadcasts and four loads per j. The sum over j runs in
  * the same order as backward_sample's (one FMA per term), so both give the same bits. */
 INLINE void backward_sample_blocks(const float *g, const float *dense, const float *sparse, int64_t n,
-                                   const int64_t dim, int64_t sparse_stride, const float *symmetric, int64_t b,
-                                   float *grad_dense, float *grad_sparse) {
+                                   const int64_t dim, const float *symmetric, float *grad_dense, float *grad_sparse) {
     for (int64_t i = 0; i < n; i += 2) {
         const int two = i + 1 < n;
         const float *s0 = symmetric + i * n, *s1 = symmetric + (i + two) * n;
-        float *t0 = i == 0 ? grad_dense + b * dim : grad_sparse + b * (n - 1) * dim + (i - 1) * dim;
-        float *t1 = grad_sparse + b * (n - 1) * dim + i * dim; /* row i + 1 (a sparse vector) */
+        float *t0 = i == 0 ? grad_dense : grad_sparse + (i - 1) * dim;
+        float *t1 = grad_sparse + i * dim; /* row i + 1 (a sparse vector) */
         for (int64_t c = 0; c < dim; c += 32) {
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
                    a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
@@ -119,7 +125,7 @@ INLINE void backward_sample_blocks(const float *g, const float *dense, const flo
                 a2 = _mm256_loadu_ps(g + c + 16), a3 = _mm256_loadu_ps(g + c + 24);
             }
             for (int64_t j = 0; j < n; ++j) {
-                const float *v = vector_of(dense, sparse, b, j, dim, sparse_stride) + c;
+                const float *v = vector_of(dense, sparse, j, dim) + c;
                 const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8), x2 = _mm256_loadu_ps(v + 16),
                              x3 = _mm256_loadu_ps(v + 24);
                 const __m256 w0 = _mm256_broadcast_ss(s0 + j), w1 = _mm256_broadcast_ss(s1 + j);
@@ -139,6 +145,42 @@ INLINE void backward_sample_blocks(const float *g, const float *dense, const flo
 }
 #endif
 
+/* The pair gradients of one sample (after its dense part, g + dim) as the symmetric [n, n] matrix S. */
+static inline void symmetric_of(const float *g, int64_t dim, int64_t n, int32_t self_interaction, float *symmetric) {
+    const float *gp = g + dim;
+    for (int64_t i = 0; i < n; ++i) {
+        symmetric[i * n + i] = 0.0f;
+        for (int64_t j = self_interaction ? i : i + 1; j < n; ++j) {
+            const float value = *gp++;
+            if (i == j) {
+                symmetric[i * n + i] = 2.0f * value;
+            } else {
+                symmetric[i * n + j] = value;
+                symmetric[j * n + i] = value;
+            }
+        }
+    }
+}
+
+/* The backward of one sample: dv_0 into grad_dense, dv_1.. (adjacent) into grad_sparse. */
+static inline void backward_one(const float *g, const float *dense, const float *sparse, int64_t n, int64_t dim,
+                                int32_t self_interaction, float *symmetric, float *grad_dense, float *grad_sparse) {
+    symmetric_of(g, dim, n, self_interaction, symmetric);
+#ifdef HAVE_DOT_BLOCKS
+    if (dim % 32 == 0) {
+        FOR_DIM(dim, backward_sample_blocks(g, dense, sparse, n, D, symmetric, grad_dense, grad_sparse))
+        return;
+    }
+#endif
+    FOR_DIM(dim, backward_sample(g, dense, sparse, n, D, symmetric, grad_dense, grad_sparse))
+}
+
+static void *checked_malloc(size_t bytes) {
+    void *p = malloc(bytes);
+    if (p == NULL) abort();
+    return p;
+}
+
 /* All B samples, split evenly over ``threads`` OpenMP threads. dense [B, dim]; sparse rows of
  * sparse_stride floats holding F vectors of dim; out [B, dim + P]. */
 void neorec_dot_interaction_forward(const float *dense, const float *sparse, int64_t num_features, int64_t dim,
@@ -148,7 +190,8 @@ void neorec_dot_interaction_forward(const float *dense, const float *sparse, int
     const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t b = 0; b < batch; ++b) {
-        FOR_DIM(dim, forward_sample(dense, sparse, n, D, sparse_stride, self_interaction, b, out + b * (D + pairs)))
+        FOR_DIM(dim, forward_sample(dense + b * dim, sparse + b * sparse_stride, n, D, self_interaction,
+                                    out + b * (D + pairs)))
     }
 }
 
@@ -161,34 +204,68 @@ void neorec_dot_interaction_backward(const float *grad_out, int64_t grad_stride,
     const int64_t n = num_features + 1;
 #pragma omp parallel num_threads((int)threads)
     {
-        float *symmetric = malloc((size_t)(n * n) * sizeof(float));
-        if (symmetric == NULL) abort();
+        float *symmetric = checked_malloc((size_t)(n * n) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; ++b)
+            backward_one(grad_out + b * grad_stride, dense + b * dim, sparse + b * sparse_stride, n, dim,
+                         self_interaction, symmetric, grad_dense + b * dim, grad_sparse + b * (n - 1) * dim);
+        free(symmetric);
+    }
+}
+
+/* Block k of the sparse vectors: bytes[k] bytes of each sample's row b at src[k] + b * src_stride[k]
+ * are bytes dst[k] .. dst[k] + bytes[k] of the sample's [F * dim] vectors. The blocks cover those
+ * F * dim floats exactly once. */
+static inline void gather(int64_t b, int64_t count, const int64_t *src, const int64_t *src_stride,
+                          const int64_t *dst, const int64_t *bytes, float *vectors) {
+    for (int64_t k = 0; k < count; ++k)
+        copy_bytes((char *)vectors + dst[k], (const char *)(intptr_t)src[k] + b * src_stride[k], bytes[k]);
+}
+
+/* neorec_dot_interaction_forward with the sparse vectors in ``count`` column blocks (see gather). */
+void neorec_dot_interaction_forward_blocks(const float *dense, int64_t num_features, int64_t dim,
+                                           int32_t self_interaction, int64_t batch, int64_t threads, int64_t count,
+                                           const int64_t *src, const int64_t *src_stride, const int64_t *dst,
+                                           const int64_t *bytes, float *out) {
+    const int64_t n = num_features + 1;
+    const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
+#pragma omp parallel num_threads((int)threads)
+    {
+        float *vectors = checked_malloc((size_t)(num_features * dim) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; ++b) {
-            const float *g = grad_out + b * grad_stride;
-            const float *gp = g + dim;
-            for (int64_t i = 0; i < n; ++i) {
-                symmetric[i * n + i] = 0.0f;
-                for (int64_t j = self_interaction ? i : i + 1; j < n; ++j) {
-                    const float value = *gp++;
-                    if (i == j) {
-                        symmetric[i * n + i] = 2.0f * value;
-                    } else {
-                        symmetric[i * n + j] = value;
-                        symmetric[j * n + i] = value;
-                    }
-                }
-            }
-#ifdef HAVE_DOT_BLOCKS
-            if (dim % 32 == 0) {
-                FOR_DIM(dim, backward_sample_blocks(g, dense, sparse, n, D, sparse_stride, symmetric, b, grad_dense,
-                                                    grad_sparse))
-                continue;
-            }
-#endif
-            FOR_DIM(dim, backward_sample(g, dense, sparse, n, D, sparse_stride, symmetric, b, grad_dense,
-                                         grad_sparse))
+            gather(b, count, src, src_stride, dst, bytes, vectors);
+            FOR_DIM(dim, forward_sample(dense + b * dim, vectors, n, D, self_interaction, out + b * (D + pairs)))
+        }
+        free(vectors);
+    }
+}
+
+/* neorec_dot_interaction_backward with the sparse vectors in column blocks (src, src_stride, dst,
+ * bytes as in the forward) and their gradients written to the same blocks of other matrices:
+ * grad_src[k] + b * grad_src_stride[k]. */
+void neorec_dot_interaction_backward_blocks(const float *grad_out, int64_t grad_stride, const float *dense,
+                                            int64_t num_features, int64_t dim, int32_t self_interaction,
+                                            int64_t batch, int64_t threads, int64_t count, const int64_t *src,
+                                            const int64_t *src_stride, const int64_t *dst, const int64_t *bytes,
+                                            const int64_t *grad_src, const int64_t *grad_src_stride,
+                                            float *grad_dense) {
+    const int64_t n = num_features + 1;
+#pragma omp parallel num_threads((int)threads)
+    {
+        float *symmetric = checked_malloc((size_t)(n * n) * sizeof(float));
+        float *vectors = checked_malloc((size_t)(2 * num_features * dim) * sizeof(float));
+        float *grads = vectors + num_features * dim;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; ++b) {
+            gather(b, count, src, src_stride, dst, bytes, vectors);
+            backward_one(grad_out + b * grad_stride, dense + b * dim, vectors, n, dim, self_interaction, symmetric,
+                         grad_dense + b * dim, grads);
+            for (int64_t k = 0; k < count; ++k)
+                copy_bytes((char *)(intptr_t)grad_src[k] + b * grad_src_stride[k], (const char *)grads + dst[k],
+                           bytes[k]);
         }
         free(symmetric);
+        free(vectors);
     }
 }

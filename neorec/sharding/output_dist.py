@@ -5,22 +5,23 @@ A rank's fused lookup gives [all ranks' samples, its shard-feature columns + rep
 shard-feature columns of rank s's samples (rows of s's block) are sent to s in one all-to-all
 (a differentiable one: backward returns the gradient the reverse way, scaled by ``grad_scale``).
 The owner places every column of what it got from ranks 0..W-1 and of its own replica columns:
-without row-wise pieces by block copies straight from those parts; with them, the parts are
-concatenated and the row-wise partial sums ADDED (index_add).
+without row-wise pieces the output is those parts as ``ColumnBlocks`` (a permutation of column
+blocks, copied into one matrix only when asked: the native dot interaction reads the blocks where
+they are); with them, the parts are concatenated and the row-wise partial sums ADDED (index_add).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from neorec.native.blocks import copy_blocks
 from neorec.sharding.comm import Awaitable, CommStats, differentiable_all_to_all
 from neorec.sharding.input_dist import LocalBatch
 from neorec.sharding.qcomm import CommConfig, quantized_all_to_all
 from neorec.sharding.routing import Routing
+from neorec.sparse.column_blocks import ColumnBlocks, _views, place_parts  # noqa: F401 (place_parts: re-exported)
 from neorec.sparse.keyed import KeyedTensor
 
 
@@ -30,8 +31,8 @@ class OutputPlacement:
     The received columns are, in order, rank 0's block .. rank W-1's block (``dims_on[r]`` columns
     each, skipped when empty), then the replica columns. Without row-wise pieces every output
     column comes from exactly one received column: the placement is a permutation of column
-    blocks (runs of adjacent columns), copied row by row straight from the received buffer
-    (``place_parts``), forward and backward. With row-wise pieces the partial sums are added
+    blocks (runs of adjacent columns) of the received buffer, handed on as ``ColumnBlocks``
+    (``materialize()`` copies them row by row). With row-wise pieces the partial sums are added
     (``index_add``)."""
 
     def __init__(self, routing: Routing, device: torch.device) -> None:
@@ -43,12 +44,14 @@ class OutputPlacement:
             replica = [routing.replica_dim] if routing.replica_dim else []
             self.runs = part_runs(routing.columns, self.flat_widths + replica)
 
-    def place(self, flat: torch.Tensor, rows: int, replica: Optional[torch.Tensor]) -> torch.Tensor:
+    def place(self, flat: torch.Tensor, rows: int, replica: Optional[torch.Tensor]) -> Union[torch.Tensor, ColumnBlocks]:
         """The received blocks (``flat``: rank r's [rows, dims_on[r]] block after rank r-1's) and
-        the replica columns ([rows, replica_dim] or None) -> [rows, total_dim]."""
+        the replica columns ([rows, replica_dim] or None) -> [rows, total_dim]: without row-wise
+        pieces as ``ColumnBlocks`` (copied into one matrix only when a consumer asks for it),
+        otherwise a tensor."""
         extras = [replica] if replica is not None else []
         if self.runs is not None:
-            return place_parts(flat, rows, self.flat_widths, extras, self.runs)
+            return ColumnBlocks(flat, rows, tuple(self.flat_widths), tuple(extras), tuple(self.runs))
         parts = _views(flat, rows, self.flat_widths) + extras
         received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         out = received.new_zeros(rows, self.routing.total_dim)
@@ -81,50 +84,6 @@ def part_runs(columns: Sequence[int], part_widths: Sequence[int]) -> List[Tuple[
             out.append((part, source - starts[part], target, take))
             source, target, width = source + take, target + take, width - take
     return out
-
-
-def place_parts(flat: torch.Tensor, rows: int, flat_widths: Sequence[int], extras: Sequence[torch.Tensor],
-                runs: Sequence[Tuple[int, int, int, int]]) -> torch.Tensor:
-    """[rows, total] output with ``out[:, t : t + w] = part_p[:, s : s + w]`` for every run
-    (p, s, t, w), the runs covering every output column once. Parts: ``flat`` holds blocks
-    [rows, flat_widths[k]] one after the other (parts 0 .. len(flat_widths) - 1, what an
-    all-to-all received), then the ``extras`` ([rows, w] each). Differentiable in ``flat`` and the
-    extras; the gradient of ``flat`` is written straight into one buffer (no split/cat copies)."""
-    return _PlaceParts.apply(runs, rows, tuple(flat_widths), flat, *extras)
-
-
-def _views(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> List[torch.Tensor]:
-    views, start = [], 0
-    for width in widths:
-        views.append(flat[start : start + rows * width].view(rows, width))
-        start += rows * width
-    return views
-
-
-class _PlaceParts(torch.autograd.Function):
-    """The runs' block copies, forward and backward (where a per-column ``index_select`` and its
-    scatter-add backward touch every element through an index, and concatenating the parts costs
-    a full extra copy each way), all blocks of a row before the next row on CPU
-    (``neorec.native.blocks.copy_blocks``)."""
-
-    @staticmethod
-    def forward(ctx, runs, rows, flat_widths, flat, *extras):  # type: ignore[override]
-        ctx.runs, ctx.rows, ctx.flat_widths = runs, rows, flat_widths
-        ctx.flat_numel, ctx.extra_shapes = flat.numel(), [e.shape for e in extras]
-        parts = _views(flat, rows, flat_widths) + list(extras)
-        out = flat.new_empty(rows, sum(w for _, _, _, w in runs))
-        copy_blocks([(out[:, target : target + width], parts[part][:, source : source + width])
-                     for part, source, target, width in runs])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        grad_flat = grad_out.new_empty(ctx.flat_numel)
-        grad_extras = [grad_out.new_empty(shape) for shape in ctx.extra_shapes]
-        parts = _views(grad_flat, ctx.rows, ctx.flat_widths) + grad_extras
-        copy_blocks([(parts[part][:, source : source + width], grad_out[:, target : target + width])
-                     for part, source, target, width in ctx.runs])
-        return (None, None, None, grad_flat, *grad_extras)
 
 
 def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch, pooled: torch.Tensor,

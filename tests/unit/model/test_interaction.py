@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from neorec.model import DCNInteraction, DotInteraction
+from neorec.sparse.column_blocks import ColumnBlocks
 
 
 def naive_dot(dense, sparse, self_interaction):
@@ -83,6 +84,68 @@ def test_native_dot_forward_and_gradients_match_naive_loop(dim, num_features, se
     strided = torch.randn(num_features, batch, dim, generator=generator).transpose(0, 1)  # not contiguous
     torch.testing.assert_close(layer(dense, strided), naive_dot(dense, strided, self_interaction),
                                rtol=1e-5, atol=1e-5)
+
+
+def _column_blocks(batch, num_features, dim, generator, split_features=(1,)):
+    """A [batch, F * dim] matrix as ColumnBlocks, like a 2-rank table-wise + column-wise output:
+    two received parts (features dealt alternately to them, the features in ``split_features``
+    cut in two column pieces, one in each part) and one replica part (a strided view, the last
+    feature)."""
+    from neorec.sharding.output_dist import part_runs
+
+    owned = [[], []]  # the output columns each received part holds, in its order
+    for f in range(num_features - 1):
+        columns = list(range(f * dim, (f + 1) * dim))
+        if f in split_features:
+            owned[0] += columns[: dim // 2]
+            owned[1] += columns[dim // 2 :]
+        else:
+            owned[f % 2] += columns
+    replica = list(range((num_features - 1) * dim, num_features * dim))
+    columns = owned[0] + owned[1] + replica  # received column i -> output column columns[i]
+    widths = [len(owned[0]), len(owned[1])]
+    flat = torch.randn(batch * sum(widths), generator=generator, requires_grad=True)
+    base = torch.randn(batch, dim + 3, generator=generator, requires_grad=True)
+    extra = base[:, 2 : 2 + dim]  # unit column stride, wider rows
+    runs = tuple(part_runs(columns, widths + [dim]))
+    return ColumnBlocks(flat, batch, tuple(widths), (extra,), runs), (flat, base)
+
+
+@pytest.mark.parametrize("dim", [16, 40, 64])
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_native_dot_reads_column_blocks_in_place_with_the_same_bits(dim, self_interaction):
+    """The sparse vectors given as column blocks of other tensors (a sharded collection's received
+    parts): the kernel gathers them per sample and scatters their gradients back; outputs and
+    gradients equal (bit for bit) placing the blocks into one matrix and running the kernel."""
+    generator = torch.Generator().manual_seed(4)
+    batch, num_features = 300, 6
+    blocks, leaves = _column_blocks(batch, num_features, dim, generator)
+    # permuted blocks from all three parts, a feature cut between two of them
+    assert {part for part, *_ in blocks.runs} == {0, 1, 2} and any(t % dim for _, _, t, _ in blocks.runs)
+    dense = torch.randn(batch, dim, generator=generator, requires_grad=True)
+    layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim, kernel="native")
+    out = layer(dense, blocks)
+    expected = layer(dense, blocks.materialize().view(batch, num_features, dim))
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, naive_dot(dense, blocks.materialize().view(batch, num_features, dim),
+                                              self_interaction), rtol=1e-5, atol=1e-5)
+    upstream = torch.randn(out.shape, generator=generator)
+    mine = torch.autograd.grad(out, (dense, *leaves), upstream)
+    reference = torch.autograd.grad(expected, (dense, *leaves), upstream)
+    assert all(torch.equal(a, b) for a, b in zip(mine, reference))
+
+
+def test_dot_takes_column_blocks_on_every_path():
+    generator = torch.Generator().manual_seed(5)
+    blocks, leaves = _column_blocks(7, 4, 8, generator)
+    dense = torch.randn(7, 8, generator=generator, requires_grad=True)
+    plain = blocks.materialize().view(7, 4, 8)
+    torch_layer = DotInteraction(4, embedding_dim=8, kernel="torch")  # copies the blocks together
+    torch.testing.assert_close(torch_layer(dense, blocks), naive_dot(dense, plain, False), rtol=1e-5, atol=1e-5)
+    (torch_layer(dense, blocks).sum() + DotInteraction(4, embedding_dim=8)(dense, blocks).sum()).backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (dense, *leaves))
+    with pytest.raises(ValueError, match=r"\[B, F \* D\] = \[7, 40\]"):
+        DotInteraction(5, embedding_dim=8)(dense, blocks)
 
 
 def test_dot_kernel_choice():

@@ -87,3 +87,20 @@ def test_keyed_tensor():
     with pytest.raises(ValueError):
         KeyedTensor(["x"], [2], torch.zeros(2, 3))
     assert isinstance(JaggedTensor(torch.tensor([1]), torch.tensor([1])).offsets(), torch.Tensor)
+    assert kt.blocks is None and kt.batch_size == 2
+
+
+def test_keyed_tensor_from_column_blocks_copies_them_on_first_use():
+    from neorec.sparse.column_blocks import ColumnBlocks
+
+    # two parts of widths 2 and 3 ([2, 2] then [2, 3] in flat); output columns: y = part 1, x = part 0
+    flat = torch.arange(10.0, requires_grad=True)
+    blocks = ColumnBlocks(flat, 2, (2, 3), (), ((1, 0, 0, 3), (0, 0, 3, 2)))
+    kt = KeyedTensor(["y", "x"], [3, 2], blocks)
+    assert kt.blocks is blocks and kt.batch_size == 2
+    assert kt["x"].tolist() == [[0.0, 1.0], [2.0, 3.0]] and kt["y"].tolist() == [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+    assert kt.values is kt.values  # built once
+    (kt.values * torch.arange(1.0, 6.0)).sum().backward()
+    assert flat.grad.tolist() == [4.0, 5.0, 4.0, 5.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="column blocks 5 wide"):
+        KeyedTensor(["x"], [4], blocks)
