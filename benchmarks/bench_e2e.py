@@ -23,7 +23,10 @@ Every rank builds both models; each timed run is ``--steps`` steps of one framew
 neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
 median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, and rank 0's
 minor page faults per step (each a trip through the kernel, and the hypervisor on a VM). Intra-op
-threads: cores / ranks for both (``--threads``). The loss of every step is kept, and the mean of the first and last
+threads: cores / ranks for both (``--threads``). The C allocator: both frameworks share each
+worker process, so both run with the malloc thresholds neorec's Trainer sets
+(``neorec/train/allocator.py``; applied before either model is built; ``--keep-malloc`` leaves
+glibc's defaults for both). The loss of every step is kept, and the mean of the first and last
 tenth of the steps is printed, to show both really train.
 
 Run (repository root, venv active, peers: `pip install -r benchmarks/requirements-peers.txt && pip install --no-deps torchrec==1.8.0`; ~15 min on 2 cores):
@@ -79,7 +82,7 @@ QUICK = {n: E2EConfig(c.name, c.num_tables, c.num_rows // 20, c.dim, c.batch_siz
 
 
 # ------------------------------------------------------------------------------------------ data
-def neorec_config(c: E2EConfig, world: int):
+def neorec_config(c: E2EConfig, world: int, reuse_freed_memory: bool = True):
     from neorec.config import Config, DenseOptimizerConfig, EmbeddingConfig, ModelConfig, TrainConfig
     from neorec.data.config import DataConfig, SyntheticConfig
     from neorec.embedding.config import SparseOptimizerConfig
@@ -91,7 +94,7 @@ def neorec_config(c: E2EConfig, world: int):
         embedding=EmbeddingConfig(optimizer=SparseOptimizerConfig("rowwise_adagrad", SPARSE_LR, EPS)),
         dense_optimizer=DenseOptimizerConfig("adagrad", DENSE_LR, EPS),
         data=DataConfig(batch_size=c.batch_size, prefetch_batches=0, synthetic=syn),
-        train=TrainConfig(max_steps=1, output_dir="", progress=False),
+        train=TrainConfig(max_steps=1, output_dir="", progress=False, reuse_freed_memory=reuse_freed_memory),
     )
 
 
@@ -190,12 +193,16 @@ class TorchrecRunner:
 def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_path: str) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
+    if not args.keep_malloc:  # process-wide: the same allocator settings for both frameworks
+        from neorec.train.allocator import reuse_freed_memory
+
+        reuse_freed_memory()
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     dense_group = dist.new_group(list(range(world)), backend="gloo")
     from neorec.data import make_data_source
 
-    cfg = neorec_config(c, world)
+    cfg = neorec_config(c, world, reuse_freed_memory=not args.keep_malloc)
     source = make_data_source(cfg.data)
     t0 = time.perf_counter()
     batches = make_batches(source, c, world, rank, args.batches)
@@ -290,6 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small tables and batches (smoke test)")
     p.add_argument("--profile", default="", help="write torch.profiler tables of one neorec run to PREFIX_*.txt")
     p.add_argument("--trace", default="", help="write a chrome trace of one neorec run per rank to PREFIX_*_rankN.json")
+    p.add_argument("--keep-malloc", action="store_true",
+                   help="leave glibc's malloc thresholds as they are (default: neorec's, for both frameworks)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / ranks)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)

@@ -114,6 +114,8 @@ class TrainConfig:
     pipeline: overlap the next batch's loading, input all-to-all and cache prefetch with the
         current step (``neorec/train/pipeline.py``; same results bit for bit); false = plain loop.
     profile: time the phases of every step; print the table and write timeline.json.
+    reuse_freed_memory: keep freed memory in the process so that each step's buffers do not
+        page-fault anew (glibc malloc thresholds, process-wide; ``neorec/train/allocator.py``).
     """
 
     epochs: int = 1
@@ -128,6 +130,7 @@ class TrainConfig:
     progress: bool = True
     pipeline: bool = True
     profile: bool = False
+    reuse_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

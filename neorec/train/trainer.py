@@ -31,6 +31,7 @@ from neorec.embedding import EmbeddingBagCollection
 from neorec.files import write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.model import DLRM, dense_parameters
+from neorec.train.allocator import reuse_freed_memory
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
 from neorec.train.pipeline import TrainPipeline, plain_steps
@@ -169,6 +170,8 @@ class Trainer:
         self.distributed = distributed
         self.world_size = distributed.world_size if distributed else 1
         self.is_main = distributed is None or distributed.is_main
+        if cfg.train.reuse_freed_memory:
+            reuse_freed_memory()  # process-wide, like the thread count below
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         elif distributed is not None:  # share the cores among the local ranks
