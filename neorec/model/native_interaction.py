@@ -77,7 +77,7 @@ def dot_interaction(dense: torch.Tensor, sparse: torch.Tensor, self_interaction:
     return _DotInteraction.apply(dense, sparse, self_interaction)
 
 
-def _block_table(parts: Sequence[torch.Tensor], runs, dim: int) -> Tuple[torch.Tensor, List[int]]:
+def _block_table(parts: Sequence[torch.Tensor], runs) -> Tuple[torch.Tensor, List[int]]:
     """int64 [4, runs]: per run the address of its first element in sample 0, the row stride in
     bytes, the byte offset in a sample's [F * dim] vectors, the bytes per sample (kernels' layout)."""
     size = 4  # fp32
@@ -99,7 +99,7 @@ class _DotInteractionBlocks(torch.autograd.Function):
         n = num_features + 1
         pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
         out = torch.empty(batch, dim + pairs, dtype=torch.float32)
-        _table, pointers = _block_table(blocks.parts(), runs, dim)
+        _table, pointers = _block_table(blocks.parts(), runs)
         library.neorec_dot_interaction_forward_blocks(dense.data_ptr(), num_features, dim, int(self_interaction),
                                                       batch, threads_for(batch, MIN_SAMPLES_PER_THREAD), len(runs),
                                                       *pointers, out.data_ptr())
@@ -119,8 +119,8 @@ class _DotInteractionBlocks(torch.autograd.Function):
         grads = ColumnBlocks(torch.empty_like(flat), rows, flat_widths, tuple(torch.empty(e.shape) for e in extras),
                              runs)  # every column of the parts is one run's: all written
         grad_dense = torch.empty(batch, dim, dtype=torch.float32)
-        _table, pointers = _block_table(blocks.parts(), runs, dim)
-        _grad_table, grad_pointers = _block_table(grads.parts(), runs, dim)
+        _table, pointers = _block_table(blocks.parts(), runs)
+        _grad_table, grad_pointers = _block_table(grads.parts(), runs)
         library.neorec_dot_interaction_backward_blocks(grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(),
                                                        num_features, dim, int(self_interaction), batch,
                                                        threads_for(batch, MIN_SAMPLES_PER_THREAD), len(runs),

@@ -21,7 +21,7 @@ from neorec.sharding.comm import Awaitable, CommStats, differentiable_all_to_all
 from neorec.sharding.input_dist import LocalBatch
 from neorec.sharding.qcomm import CommConfig, quantized_all_to_all
 from neorec.sharding.routing import Routing
-from neorec.sparse.column_blocks import ColumnBlocks, _views, place_parts  # noqa: F401 (place_parts: re-exported)
+from neorec.sparse.column_blocks import ColumnBlocks, flat_views
 from neorec.sparse.keyed import KeyedTensor
 
 
@@ -52,7 +52,7 @@ class OutputPlacement:
         extras = [replica] if replica is not None else []
         if self.runs is not None:
             return ColumnBlocks(flat, rows, tuple(self.flat_widths), tuple(extras), tuple(self.runs))
-        parts = _views(flat, rows, self.flat_widths) + extras
+        parts = flat_views(flat, rows, self.flat_widths) + extras
         received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         out = received.new_zeros(rows, self.routing.total_dim)
         return out.index_add(1, self.columns, received)

@@ -21,7 +21,7 @@ from neorec.native.blocks import copy_blocks
 Run = Tuple[int, int, int, int]  # (part, first column in the part, first column of the matrix, width)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ColumnBlocks:
     """``matrix[:, t : t + w] = part_p[:, s : s + w]`` for every run (p, s, t, w) of ``runs``, which
     cover every column of the matrix once. Parts: ``flat`` (1-D) holds the blocks
@@ -41,7 +41,7 @@ class ColumnBlocks:
 
     def parts(self) -> List[torch.Tensor]:
         """The parts as [rows, w] tensors (views of ``flat``, then the extras)."""
-        return _views(self.flat, self.rows, self.flat_widths) + list(self.extras)
+        return flat_views(self.flat, self.rows, self.flat_widths) + list(self.extras)
 
     def materialize(self) -> torch.Tensor:
         """The [rows, width] matrix, differentiable in ``flat`` and the extras."""
@@ -54,7 +54,8 @@ def place_parts(flat: torch.Tensor, rows: int, flat_widths: Sequence[int], extra
     return ColumnBlocks(flat, rows, tuple(flat_widths), tuple(extras), tuple(runs)).materialize()
 
 
-def _views(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> List[torch.Tensor]:
+def flat_views(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> List[torch.Tensor]:
+    """``flat``'s consecutive blocks [rows, widths[k]] as views."""
     views, start = [], 0
     for width in widths:
         views.append(flat[start : start + rows * width].view(rows, width))
@@ -72,7 +73,7 @@ class _PlaceParts(torch.autograd.Function):
     def forward(ctx, runs, rows, flat_widths, flat, *extras):  # type: ignore[override]
         ctx.runs, ctx.rows, ctx.flat_widths = runs, rows, flat_widths
         ctx.flat_numel, ctx.extra_shapes = flat.numel(), [e.shape for e in extras]
-        parts = _views(flat, rows, flat_widths) + list(extras)
+        parts = flat_views(flat, rows, flat_widths) + list(extras)
         out = flat.new_empty(rows, sum(w for _, _, _, w in runs))
         copy_blocks([(out[:, target : target + width], parts[part][:, source : source + width])
                      for part, source, target, width in runs])
@@ -82,7 +83,7 @@ class _PlaceParts(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         grad_flat = grad_out.new_empty(ctx.flat_numel)
         grad_extras = [grad_out.new_empty(shape) for shape in ctx.extra_shapes]
-        parts = _views(grad_flat, ctx.rows, ctx.flat_widths) + grad_extras
+        parts = flat_views(grad_flat, ctx.rows, ctx.flat_widths) + grad_extras
         copy_blocks([(parts[part][:, source : source + width], grad_out[:, target : target + width])
                      for part, source, target, width in ctx.runs])
         return (None, None, None, grad_flat, *grad_extras)

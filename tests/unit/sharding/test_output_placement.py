@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from neorec.sharding.output_dist import column_runs, part_runs, place_parts
+from neorec.sharding.output_dist import column_runs, part_runs
+from neorec.sparse.column_blocks import place_parts
 
 
 def test_column_runs_merge_consecutive_targets():
