@@ -21,7 +21,9 @@ Contenders:
 
 Every rank builds both models; each timed run is ``--steps`` steps of one framework; runs alternate
 neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
-median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, and rank 0's
+median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, the median
+of the per-pair ratios (neorec's run i over TorchRec's run i, which ran right after it: a drift of
+the host's speed cancels within a pair; "pair ratio" in the table), and rank 0's
 minor page faults per step (each a trip through the kernel, and the hypervisor on a VM). Intra-op
 threads: cores / ranks for both (``--threads``). The C allocator: both frameworks share each
 worker process, so both run with the malloc thresholds neorec's Trainer sets
@@ -274,6 +276,7 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
     samples = c.batch_size * world * args.steps
     qps = {n: [samples / t for t in ts] for n, ts in raw["times"].items()}
     med = {n: statistics.median(v) for n, v in qps.items()}
+    pairs = [a / b for a, b in zip(qps["neorec"], qps["torchrec"])]
     tenth = {}
     for n, ls in raw["losses"].items():
         k = max(1, len(ls) // 10)
@@ -282,6 +285,7 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
             "samples_per_s": qps, "median_samples_per_s": med,
             "median_ms_per_step": {n: c.batch_size * world / v * 1e3 for n, v in med.items()},
             "ratio_neorec_over_torchrec": med["neorec"] / med["torchrec"],
+            "pair_ratios": pairs, "median_pair_ratio": statistics.median(pairs),
             "loss_first_last_tenth": tenth, "losses": raw["losses"], "torchrec_plan": raw["torchrec_plan"],
             "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"],
             "median_page_faults_per_step": {n: statistics.median(v) for n, v in raw["faults_per_step"].items()}}
@@ -305,14 +309,15 @@ def main(argv=None) -> int:
     table = QUICK if args.quick else CONFIGS
     results = []
     print(f"{'config':8} {'ranks':>5} {'neorec samples/s':>17} {'torchrec samples/s':>19} {'neorec ms':>10} "
-          f"{'torchrec ms':>12} {'ratio':>6}   loss first->last tenth (neorec | torchrec)", flush=True)
+          f"{'torchrec ms':>12} {'ratio':>6} {'pair ratio':>11}   loss first->last tenth (neorec | torchrec)",
+          flush=True)
     for name in args.configs.split(","):
         for world in [int(r) for r in args.ranks.split(",")]:
             r = run_cell(table[name], world, args)
             results.append(r)
             m, ms, lt = r["median_samples_per_s"], r["median_ms_per_step"], r["loss_first_last_tenth"]
             print(f"{name:8} {world:>5} {m['neorec']:>17,.0f} {m['torchrec']:>19,.0f} {ms['neorec']:>10.1f} "
-                  f"{ms['torchrec']:>12.1f} {r['ratio_neorec_over_torchrec']:>6.2f}   "
+                  f"{ms['torchrec']:>12.1f} {r['ratio_neorec_over_torchrec']:>6.2f} {r['median_pair_ratio']:>11.2f}   "
                   f"{lt['neorec'][0]:.4f}->{lt['neorec'][1]:.4f} | {lt['torchrec'][0]:.4f}->{lt['torchrec'][1]:.4f}",
                   flush=True)
     if args.out:
