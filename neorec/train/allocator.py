@@ -8,8 +8,9 @@ more under a hypervisor's nested paging) for every page it touches: on the 2-cor
 faults and 1-6 ms of system time per pool1 step of ``bench_e2e``'s DLRM, about 5% of the step.
 
 ``reuse_freed_memory()`` raises both thresholds (``mallopt``: blocks up to ``MMAP_THRESHOLD`` come
-from the heap, up to ``TRIM_THRESHOLD`` of free heap is kept), so the same memory serves step after
-step without faults. The cost: up to ``TRIM_THRESHOLD`` of freed memory stays with the process.
+from the heap, up to ``TRIM_THRESHOLD`` of free heap is kept), so freed memory is taken again
+instead of going back to the kernel (``benchmarks/bench_allocator.py``: no faults per step after
+the warm-up steps, the same peak RSS). The cost: up to ``TRIM_THRESHOLD`` of freed memory stays with the process.
 The setting is process-wide (every library in the process allocates through the same malloc) and
 stays for the life of the process. The ``Trainer`` applies it unless ``train.reuse_freed_memory``
 is false. Other C libraries (musl) or systems: nothing is changed, the reason is returned.
