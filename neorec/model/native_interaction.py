@@ -20,6 +20,7 @@ from typing import List, Sequence, Tuple, Union
 import torch
 
 from neorec.native import load
+from neorec.native.blocks import int64_table
 from neorec.native.threads import threads_for
 from neorec.sparse.column_blocks import ColumnBlocks
 
@@ -39,14 +40,25 @@ def _operands(dense: torch.Tensor, sparse: torch.Tensor):
     return dense, sparse, sparse.stride(0)
 
 
+def _num_pairs(num_features: int, self_interaction: bool) -> int:
+    n = num_features + 1
+    return n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
+
+
+def _rows_of_floats(grad_out: torch.Tensor) -> torch.Tensor:
+    """``grad_out`` as fp32 rows with unit column stride (rows may be padded, as AlignedLinear's are)."""
+    if grad_out.dtype != torch.float32 or grad_out.stride(1) != 1:
+        grad_out = grad_out.to(torch.float32).contiguous()
+    return grad_out
+
+
 class _DotInteraction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dense, sparse, self_interaction):  # type: ignore[override]
         library = load()
         dense, sparse, stride = _operands(dense, sparse)
         batch, num_features, dim = sparse.shape
-        n = num_features + 1
-        pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
+        pairs = _num_pairs(num_features, self_interaction)
         out = torch.empty(batch, dim + pairs, dtype=torch.float32)
         library.neorec_dot_interaction_forward(dense.data_ptr(), sparse.data_ptr(), num_features, dim, stride,
                                                int(self_interaction), batch,
@@ -59,8 +71,7 @@ class _DotInteraction(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         library = load()
         dense, sparse = ctx.saved_tensors
-        if grad_out.dtype != torch.float32 or grad_out.stride(1) != 1:  # rows may be padded (AlignedLinear)
-            grad_out = grad_out.to(torch.float32).contiguous()
+        grad_out = _rows_of_floats(grad_out)
         batch, num_features, dim = sparse.shape
         grad_dense = torch.empty(batch, dim, dtype=torch.float32)
         grad_sparse = torch.empty(batch, num_features, dim, dtype=torch.float32)
@@ -78,12 +89,12 @@ def dot_interaction(dense: torch.Tensor, sparse: torch.Tensor, self_interaction:
 
 
 def _block_table(parts: Sequence[torch.Tensor], runs) -> Tuple[torch.Tensor, List[int]]:
-    """int64 [4, runs]: per run the address of its first element in sample 0, the row stride in
-    bytes, the byte offset in a sample's [F * dim] vectors, the bytes per sample (kernels' layout)."""
+    """Per run (the kernels' four arrays): the address of its first element in sample 0, the row
+    stride in bytes, the byte offset in a sample's [F * dim] vectors, the bytes per sample."""
     size = 4  # fp32
-    table = torch.tensor([[parts[p].data_ptr() + s * size, parts[p].stride(0) * size, t * size, w * size]
-                          for p, s, t, w in runs], dtype=torch.int64).t().contiguous()
-    return table, [table[k].data_ptr() for k in range(4)]
+    return int64_table([[parts[p].data_ptr() + s * size, parts[p].stride(0) * size, t * size, w * size]
+                        for p, s, t, w in runs], 4)
+
 
 
 class _DotInteractionBlocks(torch.autograd.Function):
@@ -96,8 +107,7 @@ class _DotInteractionBlocks(torch.autograd.Function):
         extras = tuple(e if e.stride(1) == 1 else e.contiguous() for e in extras)
         blocks = ColumnBlocks(flat.contiguous(), rows, flat_widths, extras, runs)
         batch, dim = dense.shape
-        n = num_features + 1
-        pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
+        pairs = _num_pairs(num_features, self_interaction)
         out = torch.empty(batch, dim + pairs, dtype=torch.float32)
         _table, pointers = _block_table(blocks.parts(), runs)
         library.neorec_dot_interaction_forward_blocks(dense.data_ptr(), num_features, dim, int(self_interaction),
@@ -112,8 +122,7 @@ class _DotInteractionBlocks(torch.autograd.Function):
         library = load()
         dense, flat, *extras = ctx.saved_tensors
         self_interaction, num_features, rows, flat_widths, runs = ctx.meta
-        if grad_out.dtype != torch.float32 or grad_out.stride(1) != 1:  # rows may be padded (AlignedLinear)
-            grad_out = grad_out.to(torch.float32).contiguous()
+        grad_out = _rows_of_floats(grad_out)
         batch, dim = dense.shape
         blocks = ColumnBlocks(flat, rows, flat_widths, tuple(extras), runs)
         grads = ColumnBlocks(torch.empty_like(flat), rows, flat_widths, tuple(torch.empty(e.shape) for e in extras),

@@ -9,13 +9,20 @@ another 4 KiB page; measured in a 2-rank training step, 26 such [2048, 64] copie
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
 from neorec.native import build, threads
 
 MIN_BYTES_PER_THREAD = 1 << 20  # a thread is worth starting for about a MiB of copying
+
+
+def int64_table(rows: Sequence[Sequence[int]], columns: int) -> Tuple[torch.Tensor, List[int]]:
+    """``rows`` (each of ``columns`` integers) as the C kernels take them: one int64 array per column
+    ([columns, len(rows)], contiguous), and each array's address. Keep the tensor alive while C reads it."""
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, columns).t().contiguous()
+    return table, [table[k].data_ptr() for k in range(columns)]
 
 
 def _native_ok(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -42,8 +49,7 @@ def copy_blocks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         return
     rows = pairs[0][0].shape[0]
     size = pairs[0][0].element_size()
-    table = torch.tensor([[s.data_ptr(), s.stride(0) * size, d.data_ptr(), d.stride(0) * size, d.shape[1] * size]
-                          for d, s in pairs], dtype=torch.int64).t().contiguous()
+    table, pointers = int64_table([[s.data_ptr(), s.stride(0) * size, d.data_ptr(), d.stride(0) * size,
+                                    d.shape[1] * size] for d, s in pairs], 5)
     total = int(table[4].sum()) * rows
-    build.load().neorec_copy_blocks(rows, len(pairs), *(table[k].data_ptr() for k in range(5)),
-                                    threads.threads_for(total, MIN_BYTES_PER_THREAD))
+    build.load().neorec_copy_blocks(rows, len(pairs), *pointers, threads.threads_for(total, MIN_BYTES_PER_THREAD))

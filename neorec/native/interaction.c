@@ -222,6 +222,13 @@ static inline void gather(int64_t b, int64_t count, const int64_t *src, const in
         copy_bytes((char *)vectors + dst[k], (const char *)(intptr_t)src[k] + b * src_stride[k], bytes[k]);
 }
 
+/* The reverse of gather: the sample's [F * dim] vector gradients into blocks at dst[k] + b * dst_stride[k]. */
+static inline void scatter(int64_t b, int64_t count, const int64_t *dst, const int64_t *dst_stride,
+                           const int64_t *offset, const int64_t *bytes, const float *vectors) {
+    for (int64_t k = 0; k < count; ++k)
+        copy_bytes((char *)(intptr_t)dst[k] + b * dst_stride[k], (const char *)vectors + offset[k], bytes[k]);
+}
+
 /* neorec_dot_interaction_forward with the sparse vectors in ``count`` column blocks (see gather). */
 void neorec_dot_interaction_forward_blocks(const float *dense, int64_t num_features, int64_t dim,
                                            int32_t self_interaction, int64_t batch, int64_t threads, int64_t count,
@@ -261,9 +268,7 @@ void neorec_dot_interaction_backward_blocks(const float *grad_out, int64_t grad_
             gather(b, count, src, src_stride, dst, bytes, vectors);
             backward_one(grad_out + b * grad_stride, dense + b * dim, vectors, n, dim, self_interaction, symmetric,
                          grad_dense + b * dim, grads);
-            for (int64_t k = 0; k < count; ++k)
-                copy_bytes((char *)(intptr_t)grad_src[k] + b * grad_src_stride[k], (const char *)grads + dst[k],
-                           bytes[k]);
+            scatter(b, count, grad_src, grad_src_stride, dst, bytes, grads);
         }
         free(symmetric);
         free(vectors);
