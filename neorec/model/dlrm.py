@@ -67,6 +67,9 @@ def _check_layer_sizes(where: str, layer_sizes: Sequence[int], allow_empty: bool
 class DenseArch(nn.Module):
     """Bottom MLP: Linear + ReLU for every layer. [B, num_dense] -> [B, layer_sizes[-1]].
 
+    The ReLUs run in place on their Linear's output (which no backward needs): one pass over each
+    activation instead of a read and a fresh write (~1-2% of a pool1 step, bench_e2e's shapes).
+
     ``num_dense`` may be 0 (no dense features): the output is then a learned constant vector.
     """
 
@@ -78,7 +81,7 @@ class DenseArch(nn.Module):
         layers: List[nn.Module] = []
         prev = num_dense
         for size in sizes:
-            layers += [_linear(prev, size), nn.ReLU()]
+            layers += [_linear(prev, size), nn.ReLU(inplace=True)]  # on the Linear's own output
             prev = size
         self.num_dense = int(num_dense)
         self.output_dim = prev
@@ -99,7 +102,7 @@ class OverArch(nn.Module):
         layers: List[nn.Module] = []
         prev = in_dim
         for size in sizes:
-            layers += [_linear(prev, size), nn.ReLU()]
+            layers += [_linear(prev, size), nn.ReLU(inplace=True)]  # on the Linear's own output
             prev = size
         layers.append(_linear(prev, 1))
         self.mlp = nn.Sequential(*layers)

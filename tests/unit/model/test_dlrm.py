@@ -129,6 +129,29 @@ def test_dlrm_init_is_seeded_and_scaled():
     assert not isinstance(over.mlp[-1], torch.nn.ReLU)  # logits, no activation at the end
 
 
+@pytest.mark.parametrize("num_dense", [13, 0])
+def test_mlps_relu_in_place_same_values_and_gradients_as_out_of_place(num_dense):
+    """The MLPs' ReLUs overwrite their Linear's output; forward and every gradient are those of
+    the same MLPs with out-of-place ReLUs, bit for bit (including the [B, 0] input of num_dense 0)."""
+    torch.manual_seed(0)
+    bottom, top = DenseArch(num_dense, [24, 16, 8]), OverArch(8 + 5, [24, 16])
+    relus = [m for m in list(bottom.modules()) + list(top.modules()) if isinstance(m, torch.nn.ReLU)]
+    assert len(relus) == 5 and all(m.inplace for m in relus)
+    dense, extra = torch.randn(32, num_dense), torch.randn(32, 5, requires_grad=True)
+
+    def run():
+        out = top(torch.cat([bottom(dense), extra], dim=1))
+        params = list(bottom.parameters()) + list(top.parameters()) + [extra]
+        return [out.detach()] + list(torch.autograd.grad(out.square().sum(), params))
+
+    in_place = run()
+    for m in relus:
+        m.inplace = False
+    out_of_place = run()
+    assert all(torch.equal(a, b) for a, b in zip(in_place, out_of_place))
+    assert in_place[0].abs().sum() > 0 and in_place[2].abs().sum() > 0  # not vacuous (bottom bias grad)
+
+
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
 def test_trains_on_learnable_problem(sparse_arch_factory, interaction):
     torch.manual_seed(0)
