@@ -1,10 +1,11 @@
 """Dense gradients for the tables of a ``TableBatchedEmbeddingBags`` that are data-parallel replicas.
 
 A sharded collection keeps ONE fused module per rank: its model-parallel shards update in the
-backward pass as usual, while its data-parallel (replicated) tables must first average their
-gradient over the replicas. ``ReplicaGradients`` takes those tables' rows out of the fused update,
+backward pass as usual, while its data-parallel (replicated) tables must first combine their
+gradient over the replicas (summed, in distributed training: each rank's loss is its share of the
+global mean loss). ``ReplicaGradients`` takes those tables' rows out of the fused update,
 accumulates them into one compact fp32 buffer (the tables' elements back to back), hands that
-buffer to a ``reducer`` (an all-reduce average, say) at the end of every backward pass, and then
+buffer to a ``reducer`` (an all-reduce sum, say) at the end of every backward pass, and then
 applies the optimizer to every row whose reduced gradient is non-zero (same arithmetic as the fused
 update). The reducer is called on every backward, even when this process looked up no id of
 those tables, so that collectives inside it stay matched across processes.

@@ -87,7 +87,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         init_seed: seed of the uniform(-sqrt(1/rows), sqrt(1/rows)) init, table by table.
         dense_gradient_tables: names of tables held as data-parallel replicas: their rows leave
             the fused update; at the end of every backward their dense gradient (one compact fp32
-            buffer) goes to ``gradient_reducer`` (e.g. an all-reduce average, in place) and the
+            buffer) goes to ``gradient_reducer`` (e.g. an all-reduce sum, in place) and the
             optimizer then steps their rows with a non-zero gradient (``replicas.py``).
         gradient_reducer: ``callable(grad)`` for ``dense_gradient_tables``; None = no reduction.
         kernel: "auto" (Triton kernels for CUDA weights, the native C kernels for CPU fp32

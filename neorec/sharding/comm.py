@@ -3,8 +3,9 @@
 - ``all_to_all(tensor, send_splits, recv_splits, group)``: variable-size all-to-all of a 1-D tensor
   (``dist.all_to_all_single`` with split sizes; gloo on CPU, NCCL on CUDA), no gradient (ids).
 - ``differentiable_all_to_all(...)``: the same for activations; its backward sends the gradient the
-  reverse way (swapped splits), optionally scaled.
-- ``all_reduce_mean_reducer(group)``: an in-place all-reduce average, for replicated tables.
+  reverse way (swapped splits).
+- ``all_reduce_sum_reducer(group)``: an in-place all-reduce sum, for replicated tables' gradients
+  (each rank's loss is its share of the global mean loss: neorec/train/distributed.py).
 
 Every launch returns an awaitable (``wait()`` gives the result), using ``async_op=True``, so that a
 pipeline can overlap the transfer with compute. Bytes handed to each collective are counted in a
@@ -123,9 +124,9 @@ class _DifferentiableAllToAll(torch.autograd.Function):
     backward runs, keeping the collectives matched) even on a rank whose input needs no gradient."""
 
     @staticmethod
-    def forward(ctx, anchor, tensor, send_splits, recv_splits, group, stats, name, grad_scale, holder):  # type: ignore[override]
+    def forward(ctx, anchor, tensor, send_splits, recv_splits, group, stats, name, holder):  # type: ignore[override]
         ctx.send_splits, ctx.recv_splits = send_splits, recv_splits
-        ctx.group, ctx.stats, ctx.name, ctx.grad_scale = group, stats, name, grad_scale
+        ctx.group, ctx.stats, ctx.name = group, stats, name
         tensor = tensor.detach().contiguous()
         output = tensor.new_empty(sum(recv_splits))
         if stats is not None:
@@ -145,16 +146,14 @@ class _DifferentiableAllToAll(torch.autograd.Function):
         dist.all_to_all_single(grad_input, grad_output, ctx.send_splits, ctx.recv_splits, group=ctx.group)
         if ctx.stats is not None:
             ctx.stats.add_blocked(ctx.name + ".backward", time.perf_counter() - start)
-        if ctx.grad_scale != 1.0:  # scaling after the exchange: the same products, no extra buffer
-            grad_input.mul_(ctx.grad_scale)
-        return None, grad_input, None, None, None, None, None, None, None
+        return None, grad_input, None, None, None, None, None, None
 
 
 def differentiable_all_to_all(tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                               group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
-                              name: str = "all_to_all", grad_scale: float = 1.0) -> Awaitable[torch.Tensor]:
-    """``all_to_all`` of a float 1-D ``tensor`` whose backward returns the gradient to the senders
-    (times ``grad_scale``). Under ``torch.no_grad`` it is a plain all-to-all."""
+                              name: str = "all_to_all") -> Awaitable[torch.Tensor]:
+    """``all_to_all`` of a float 1-D ``tensor`` whose backward returns the gradient to the senders.
+    Under ``torch.no_grad`` it is a plain all-to-all."""
     send_splits, recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
     if tensor.dim() != 1 or tensor.numel() != sum(send_splits):
         raise ValueError(f"differentiable_all_to_all({name}): need a 1-D tensor of sum(send_splits) = "
@@ -163,27 +162,24 @@ def differentiable_all_to_all(tensor: torch.Tensor, send_splits: Sequence[int], 
         return all_to_all(tensor, send_splits, recv_splits, group, stats, name)
     anchor = torch.zeros((), device=tensor.device, requires_grad=True)
     holder: List = []
-    output = _DifferentiableAllToAll.apply(anchor, tensor, send_splits, recv_splits, group, stats, name,
-                                           float(grad_scale), holder)
+    output = _DifferentiableAllToAll.apply(anchor, tensor, send_splits, recv_splits, group, stats, name, holder)
     work, _sent = holder[0]  # keep the sent buffer alive until the transfer completes
     return Awaitable([work], lambda: (_sent, output)[1], stats, name)
 
 
-def all_reduce_mean_reducer(group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
-                            name: str = "replica_all_reduce") -> Callable[[torch.Tensor], None]:
-    """``reducer(tensor)``: in-place average of ``tensor`` over the ranks of ``group``. The bytes
+def all_reduce_sum_reducer(group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
+                           name: str = "replica_all_reduce") -> Callable[[torch.Tensor], None]:
+    """``reducer(tensor)``: in-place sum of ``tensor`` over the ranks of ``group``. The bytes
     recorded are the tensor's size (what each rank hands to the all-reduce; a ring all-reduce moves
     about 2 (W - 1) / W times that per rank)."""
 
     def reduce(tensor: torch.Tensor) -> None:
-        world = dist.get_world_size(group)
-        if world == 1:
+        if dist.get_world_size(group) == 1:
             return
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
         if stats is not None:
             stats.record(name, tensor.numel() * tensor.element_size())
             stats.add_blocked(name, time.perf_counter() - start)
-        tensor.div_(world)
 
     return reduce

@@ -3,7 +3,7 @@ the ``EmbeddingBagCollection`` layout.
 
 A rank's fused lookup gives [all ranks' samples, its shard-feature columns + replica columns]. The
 shard-feature columns of rank s's samples (rows of s's block) are sent to s in one all-to-all
-(a differentiable one: backward returns the gradient the reverse way, scaled by ``grad_scale``).
+(a differentiable one: backward returns the gradient the reverse way).
 The owner places every column of what it got from ranks 0..W-1 and of its own replica columns:
 without row-wise pieces the output is those parts as ``ColumnBlocks`` (a permutation of column
 blocks, copied into one matrix only when asked: the native dot interaction reads the blocks where
@@ -88,7 +88,7 @@ def part_runs(columns: Sequence[int], part_widths: Sequence[int]) -> List[Tuple[
 
 def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch, pooled: torch.Tensor,
                 group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
-                grad_scale: float = 1.0, comm: Optional[CommConfig] = None) -> Awaitable[KeyedTensor]:
+                comm: Optional[CommConfig] = None) -> Awaitable[KeyedTensor]:
     """Launch the exchange of ``pooled`` ([sum(batch_sizes), dims_on[rank] + replica_dim], from the
     fused lookup of ``local``); ``wait()`` gives the KeyedTensor of this rank's samples. ``comm``:
     codecs of the exchange and of its gradient (``qcomm.py``; None or fp32 both ways = exact).
@@ -101,10 +101,9 @@ def output_dist(routing: Routing, placement: OutputPlacement, local: LocalBatch,
     if comm is not None and comm.quantized:
         exchange = quantized_all_to_all(model_parallel.reshape(-1), [(b, width) for b in sizes],
                                         [(sizes[rank], routing.dims_on[r]) for r in range(routing.world_size)],
-                                        group, comm, stats, "output_dist", grad_scale=grad_scale)
+                                        group, comm, stats, "output_dist")
     else:
-        exchange = differentiable_all_to_all(model_parallel.reshape(-1), send, recv, group, stats, "output_dist",
-                                             grad_scale=grad_scale)
+        exchange = differentiable_all_to_all(model_parallel.reshape(-1), send, recv, group, stats, "output_dist")
     own = sizes[rank]
 
     def finish() -> KeyedTensor:

@@ -204,8 +204,6 @@ class _Decode(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         e = ctx.exchange
         grad = grad_output.contiguous().to(torch.float32)
-        if e["grad_scale"] != 1.0:
-            grad = grad * e["grad_scale"]
         start = time.perf_counter()
         _, _, received = _exchange(e["backward"], grad, e["recv_shapes"], e["send_shapes"], e["group"], e["stats"],
                                    e["name"] + ".backward", async_op=False)
@@ -216,15 +214,15 @@ class _Decode(torch.autograd.Function):
 
 def quantized_all_to_all(tensor: torch.Tensor, send_shapes: Sequence[Shape], recv_shapes: Sequence[Shape],
                          group: Optional[dist.ProcessGroup], comm: CommConfig, stats: Optional[CommStats] = None,
-                         name: str = "all_to_all", grad_scale: float = 1.0) -> Awaitable[torch.Tensor]:
+                         name: str = "all_to_all") -> Awaitable[torch.Tensor]:
     """Differentiable all-to-all of the fp32 1-D ``tensor``: block r (``send_shapes[r]`` = (rows,
     dim), back to back) goes to rank r encoded with ``comm.forward``; ``wait()`` gives the decoded
     blocks received from ranks 0..W-1 (``recv_shapes``), 1-D fp32. Backward sends the gradient back
-    encoded with ``comm.backward`` (times ``grad_scale``). Under ``torch.no_grad`` no backward."""
+    encoded with ``comm.backward``. Under ``torch.no_grad`` no backward."""
     send_shapes = [(int(r), int(d)) for r, d in send_shapes]
     recv_shapes = [(int(r), int(d)) for r, d in recv_shapes]
     exchange = {"forward": make_codec(comm.forward), "backward": make_codec(comm.backward), "group": group,
-                "stats": stats, "name": name, "grad_scale": float(grad_scale), "send_shapes": send_shapes,
+                "stats": stats, "name": name, "send_shapes": send_shapes,
                 "recv_shapes": recv_shapes}
     with torch.no_grad():
         work, payload, received = _exchange(exchange["forward"], tensor.detach().reshape(-1), send_shapes,

@@ -10,10 +10,11 @@ pipeline can overlap the exchanges with compute. On each rank ALL its pieces, wh
 sharding type, and its replicas of the data-parallel tables live in ONE ``TableBatchedEmbeddingBags``
 looked up by one fused call (Neo's hybrid kernel fusion).
 
-Gradients. Each rank's loss is taken to be 1 / world of the global objective (the trainer scales
-it so), so the pooled gradients that come back to a piece from all ranks are summed and scaled by
-1 / world before the fused optimizer applies them; a replica's dense gradient is averaged over the
-ranks (all-reduce) and then applied. Both match single-process training on the global batch.
+Gradients. Each rank's loss is its share of the global mean loss (``local_loss``,
+neorec/train/distributed.py), so the fused optimizer simply sums the pooled gradients that come
+back to a piece from all ranks, and a replica's dense gradient is summed over the ranks
+(all-reduce) and then applied: no scaling pass. Both match single-process training on the global
+batch.
 
 Row-wise AdaGrad on column pieces: its per-row statistic is the mean of g^2 over the piece's
 columns, not over the full row, so COLUMN_WISE / TABLE_COLUMN_WISE tables with row-wise AdaGrad
@@ -30,7 +31,7 @@ from torch import nn
 
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
-from neorec.sharding.comm import Awaitable, CommStats, all_reduce_mean_reducer, ready
+from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
 from neorec.sharding.input_dist import LocalBatch, input_dist
 from neorec.sharding.output_dist import OutputPlacement, output_dist
 from neorec.sharding.plan import ShardingPlan, ShardingType
@@ -100,7 +101,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.tbe = TableBatchedEmbeddingBags(
                 local_tables, optimizer, storage, device=self.device, init_seed=init_seed,
                 dense_gradient_tables=[t.name for t in self.routing.replicas],
-                gradient_reducer=all_reduce_mean_reducer(process_group, comm_stats),
+                gradient_reducer=all_reduce_sum_reducer(process_group, comm_stats),
             )
         self._placement = OutputPlacement(self.routing, self.device)
         self._launched = None  # (values, lengths, awaitable) of an id exchange launched ahead
@@ -131,7 +132,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def output_dist(self, local: LocalBatch, pooled: torch.Tensor) -> Awaitable[KeyedTensor]:
         """Launch the return of the pooled rows; ``wait()`` -> KeyedTensor of this rank's samples."""
         return output_dist(self.routing, self._placement, local, pooled, self.process_group, self.comm_stats,
-                           grad_scale=1.0 / self.world_size, comm=self.comm)
+                           comm=self.comm)
 
     def launch_input_dist(self, features: KeyedJaggedTensor) -> None:
         """Start the id exchange of a LATER forward's ``features`` now (``TrainPipeline``): the

@@ -11,9 +11,12 @@ Batches: ``data.batch_size`` is per rank. Every rank reads the same global batch
 world * batch_size samples and keeps rows [N * r // W, N * (r + 1) // W) (exactly r*B..(r+1)*B when
 the batch is full). The last global batch of an epoch may be smaller: it is split as evenly as
 possible (a rank may get no sample), nothing is dropped, and all ranks take the same number of
-steps. Each rank's loss is sum(BCE over its samples) * W / N, so that the data-parallel average of
-the dense gradients and the 1 / W scale of the embedding gradients give exactly the gradient of the
-mean loss over the global batch of N samples, whatever the split.
+steps. Each rank's loss is its share of the mean loss over the global batch of N samples,
+sum(BCE over its samples) / N, and every gradient is SUMMED over the ranks: the dense layers' by
+DistributedDataParallel with a summing communication hook, an embedding row's by the exchange that
+brings its pooled gradients back from all ranks, a replicated table's by an all-reduce. That gives
+exactly the gradient of the global mean loss, whatever the split, with no scaling pass anywhere
+(DDP's default hook would average, and the embedding gradients would then need a 1 / W pass).
 """
 
 from __future__ import annotations
@@ -146,9 +149,17 @@ def split_batch(batch: Batch, rank: int, world_size: int) -> Batch:
 
 
 # ---------------------------------------------------------------------------------- model, loss
+def _sum_all_reduce(group, bucket):  # no annotations: DDP checks them against its own types
+    """DDP communication hook: the gradients of ``bucket`` (a ``dist.GradBucket``) summed over the
+    ranks (DDP's default hook averages them; see the module docstring for why neorec sums)."""
+    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0])
+
+
 def wrap_data_parallel(model: nn.Module, group: Any, device: torch.device) -> DistributedDataParallel:
-    """DistributedDataParallel over ``model``'s dense layers; the buffers and parameters of its
-    ``sparse_arch`` (the sharded embeddings) are ignored by DDP (never broadcast nor reduced)."""
+    """DistributedDataParallel over ``model``'s dense layers, their gradients summed over the ranks
+    (pair it with ``local_loss``); the buffers and parameters of its ``sparse_arch`` (the sharded
+    embeddings) are ignored by DDP (never broadcast nor reduced)."""
     ignored = [name for name, _ in model.named_parameters() if name.startswith("sparse_arch.")]
     ignored += [name for name, _ in model.named_buffers() if name.startswith("sparse_arch.")]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
@@ -159,14 +170,16 @@ def wrap_data_parallel(model: nn.Module, group: Any, device: torch.device) -> Di
         options["forward_sync_buffers"] = False  # the dense layers' buffers are constants
     else:  # pragma: no cover - torch < 2.13
         options["broadcast_buffers"] = False
-    return DistributedDataParallel(model, **options)
+    wrapped = DistributedDataParallel(model, **options)
+    wrapped.register_comm_hook(group, _sum_all_reduce)
+    return wrapped
 
 
-def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch_size: int, world_size: int) -> torch.Tensor:
-    """This rank's share of the global mean BCE loss, times ``world_size`` (see the module
-    docstring): sum of BCE over the local samples * world_size / global_batch_size."""
+def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch_size: int) -> torch.Tensor:
+    """This rank's share of the global mean BCE loss (see the module docstring): sum of BCE over
+    the local samples / global_batch_size. The ranks' shares add up to the global mean."""
     total = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-    return total * (world_size / global_batch_size)
+    return total / global_batch_size
 
 
 def all_reduce_sum(value: float, group: Any, device: torch.device) -> float:

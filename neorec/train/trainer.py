@@ -227,9 +227,8 @@ class Trainer:
                 loss = self.loss_fn(logits, batch.labels)
                 value = float(loss.detach())
             else:
-                loss = local_loss(logits, batch.labels, global_batch_size, self.world_size)
-                value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group,
-                                       self.device) / self.world_size
+                loss = local_loss(logits, batch.labels, global_batch_size)
+                value = all_reduce_sum(float(loss.detach()), self.distributed.dense_group, self.device)
         if hooks is not None:
             hooks.after_forward()
         self._check_finite(value)

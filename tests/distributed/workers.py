@@ -47,7 +47,7 @@ def run_case(rank: int, world: int, group, dense_group, kind: str, sparse_kind: 
 
         local = split_batch(batch, rank, world)
         logits = ddp(local.dense, local.sparse)
-        loss = local_loss(logits, local.labels, size, world)
+        loss = local_loss(logits, local.labels, size)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
