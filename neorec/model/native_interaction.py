@@ -96,7 +96,6 @@ def _block_table(parts: Sequence[torch.Tensor], runs) -> Tuple[torch.Tensor, Lis
                         for p, s, t, w in runs], 4)
 
 
-
 class _DotInteractionBlocks(torch.autograd.Function):
     """``dot_interaction`` reading the sparse vectors from column blocks (``ColumnBlocks``)."""
 

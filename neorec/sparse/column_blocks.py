@@ -48,12 +48,6 @@ class ColumnBlocks:
         return _PlaceParts.apply(self.runs, self.rows, self.flat_widths, self.flat, *self.extras)
 
 
-def place_parts(flat: torch.Tensor, rows: int, flat_widths: Sequence[int], extras: Sequence[torch.Tensor],
-                runs: Sequence[Run]) -> torch.Tensor:
-    """``ColumnBlocks(flat, rows, flat_widths, extras, runs).materialize()``."""
-    return ColumnBlocks(flat, rows, tuple(flat_widths), tuple(extras), tuple(runs)).materialize()
-
-
 def flat_views(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> List[torch.Tensor]:
     """``flat``'s consecutive blocks [rows, widths[k]] as views."""
     views, start = [], 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from neorec.sharding.output_dist import column_runs, part_runs
-from neorec.sparse.column_blocks import place_parts
+from neorec.sparse.column_blocks import ColumnBlocks
 
 
 def test_column_runs_merge_consecutive_targets():
@@ -31,7 +31,7 @@ def test_placing_parts_equals_concatenation_and_index_select_forward_and_backwar
     flat = torch.randn(5 * 6, requires_grad=True)  # the two ranks' blocks as one received buffer
     replica = torch.randn(5, 4, requires_grad=True)[:, 1:3]  # a strided column slice
     parts = [flat[:15].view(5, 3), flat[15:].view(5, 3), replica]
-    placed = place_parts(flat, 5, widths[:2], [replica], part_runs(columns, widths))
+    placed = ColumnBlocks(flat, 5, tuple(widths[:2]), (replica,), tuple(part_runs(columns, widths))).materialize()
     expected = torch.cat(parts, dim=1).index_select(1, inverse)
     assert torch.equal(placed, expected)
     grad = torch.randn(5, len(columns))
