@@ -23,10 +23,12 @@ Every rank builds both models; each timed run is ``--steps`` steps of one framew
 neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
 median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, the median
 of the per-pair ratios (neorec's run i over TorchRec's run i, which ran right after it: a drift of
-the host's speed cancels within a pair; "pair ratio" in the table), and rank 0's
-minor page faults per step (each a trip through the kernel, and the hypervisor on a VM). Intra-op
-threads: cores / ranks for both (``--threads``). The C allocator: both frameworks share each
-worker process, so both run with the malloc thresholds neorec's Trainer sets
+the host's speed cancels within a pair; "pair ratio" in the table), rank 0's minor page faults per
+step (each a trip through the kernel, and the hypervisor on a VM), and every rank's CPU time per
+step, split into its main (Python) thread's and its other threads' (gloo's, OpenMP's): a main thread
+busy for less than the step's wall time was waiting, mostly for the other rank in a collective.
+Intra-op threads: cores / ranks for both (``--threads``). The C allocator: both frameworks share
+each worker process, so both run with the malloc thresholds neorec's Trainer sets
 (``neorec/train/allocator.py``; applied before either model is built; ``--keep-malloc`` leaves
 glibc's defaults for both). The loss of every step is kept, and the mean of the first and last
 tenth of the steps is printed, to show both really train.
@@ -216,19 +218,23 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
     losses: Dict[str, List[float]] = {n: [] for n in runners}
     times: Dict[str, List[float]] = {n: [] for n in runners}
     faults: Dict[str, List[float]] = {n: [] for n in runners}  # page faults per step (rank 0)
+    cpu: Dict[str, List[List[float]]] = {n: [] for n in runners}  # CPU ms per step: [main thread, other threads]
     cursor = {n: 0 for n in runners}
 
     def run(name: str, steps: int) -> float:
         runner = runners[name]
         dist.barrier()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        main_cpu, process_cpu = time.thread_time(), time.process_time()
         start = time.perf_counter()
         for _ in range(steps):
             item = batches[cursor[name] % len(batches)]
             cursor[name] += 1
             losses[name].append(runner.step(item))
         seconds = time.perf_counter() - start
+        main_cpu, process_cpu = time.thread_time() - main_cpu, time.process_time() - process_cpu
         faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
+        cpu[name].append([main_cpu * 1e3 / steps, (process_cpu - main_cpu) * 1e3 / steps])
         return seconds
 
     for name in runners:  # warm-up run each
@@ -256,9 +262,14 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
             run("neorec", args.steps)
         prof.export_chrome_trace(f"{args.trace}_{c.name}_r{world}_rank{rank}.json")
 
+    # every rank's CPU time in the timed runs (not the warm-up's, nor a profiled or traced one's), to rank 0
+    timed_cpu = {n: v[1:1 + args.repeats] for n, v in cpu.items()}
+    cpu_by_rank: List[Dict[str, List[List[float]]]] = [{} for _ in range(world)]
+    dist.all_gather_object(cpu_by_rank, timed_cpu)
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump({"times": times, "losses": losses, "gen_seconds": gen_s, "faults_per_step": faults,
+                       "cpu_by_rank": cpu_by_rank,
                        "torchrec_plan": runners["torchrec"].plan,
                        "neorec_plan": str(runners["neorec"].trainer.plan)}, f)
     del runners
@@ -288,7 +299,10 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
             "pair_ratios": pairs, "median_pair_ratio": statistics.median(pairs),
             "loss_first_last_tenth": tenth, "losses": raw["losses"], "torchrec_plan": raw["torchrec_plan"],
             "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"],
-            "median_page_faults_per_step": {n: statistics.median(v) for n, v in raw["faults_per_step"].items()}}
+            "median_page_faults_per_step": {n: statistics.median(v) for n, v in raw["faults_per_step"].items()},
+            "median_cpu_ms_per_step": {n: [{"main_thread": statistics.median(m for m, _ in by_rank[n]),
+                                            "other_threads": statistics.median(o for _, o in by_rank[n])}
+                                           for by_rank in raw["cpu_by_rank"]] for n in raw["times"]}}
 
 
 def main(argv=None) -> int:
@@ -320,6 +334,9 @@ def main(argv=None) -> int:
                   f"{ms['torchrec']:>12.1f} {r['ratio_neorec_over_torchrec']:>6.2f} {r['median_pair_ratio']:>11.2f}   "
                   f"{lt['neorec'][0]:.4f}->{lt['neorec'][1]:.4f} | {lt['torchrec'][0]:.4f}->{lt['torchrec'][1]:.4f}",
                   flush=True)
+            print("    CPU ms per step, main thread + other threads, per rank: " + " | ".join(
+                f"{n} " + ", ".join(f"{c['main_thread']:.1f} + {c['other_threads']:.1f}" for c in per_rank)
+                for n, per_rank in r["median_cpu_ms_per_step"].items()), flush=True)
     if args.out:
         import torchrec
 
