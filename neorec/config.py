@@ -9,6 +9,7 @@ Every TOML table maps to a dataclass below; an unknown key or a value of the wro
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 import typing
@@ -221,6 +222,7 @@ def _build(cls: type, values: Dict[str, Any], prefix: str = "") -> Any:
         if key not in names:
             raise ValueError(
                 f"unknown config key {where!r}; allowed under {prefix or 'the top level'}: {', '.join(names)}"
+                + _did_you_mean(where)
             )
         kwargs[key] = _convert(value, hints[key], where)
     try:
@@ -229,6 +231,21 @@ def _build(cls: type, values: Dict[str, Any], prefix: str = "") -> Any:
         raise
     except TypeError as exc:  # pragma: no cover - defensive, _convert checks types first
         raise ValueError(f"config section {prefix or 'top level'}: {exc}") from exc
+
+
+def _did_you_mean(where: str) -> str:
+    """``"; did you mean 'X'?"`` for an unknown key: the keys or sections of that name elsewhere
+    (``train.checkpoint`` -> ``checkpoint``), else the closest spelling (``train.max_step``)."""
+    keys = [key for key, _, _ in iter_config_keys()]
+    known = sorted(set(keys) | {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)})
+    name = where.rsplit(".", 1)[-1]
+    known = [k for k in known if not where.startswith(k + ".")]  # not its own sections
+    guesses = [k for k in known if k.rsplit(".", 1)[-1] == name]
+    if not guesses:  # a misspelt name in the same section
+        section = where[: -len(name)]
+        siblings = [k[len(section):] for k in known if k.startswith(section) and "." not in k[len(section):]]
+        guesses = [section + close for close in difflib.get_close_matches(name, siblings, 2, 0.8)]
+    return f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
 
 
 def parse_override(text: str) -> Tuple[List[str], Any]:
@@ -279,8 +296,24 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     try:
         return config_from_dict(values, overrides)
     except ValueError as exc:
-        where = f" (in {path})" if path else ""
-        raise ValueError(f"{exc}{where}") from None
+        raise ValueError(f"{exc}{_blame(values, overrides, path)}") from None
+
+
+def _blame(values: Dict[str, Any], overrides: Sequence[str], path: Optional[str | Path]) -> str:
+    """Where a config error comes from: the ``--set`` overrides that fail on their own (when the
+    file alone is valid), else the file."""
+
+    def fails(chosen: Sequence[str]) -> bool:
+        try:
+            config_from_dict(values, chosen)
+        except ValueError:
+            return True
+        return False
+
+    if overrides and not fails(()):
+        culprits = [text for text in overrides if fails([text])]
+        return " (from " + (", ".join(f"--set {text}" for text in culprits) or "the --set overrides together") + ")"
+    return f" (in {path})" if path else ""
 
 
 def iter_config_keys(cls: type = Config, prefix: str = "") -> Iterator[Tuple[str, str, Any]]:

@@ -30,6 +30,8 @@ def test_parse_override_types():
     "override, message",
     [
         ("model.nope=1", "unknown config key 'model.nope'"),
+        ("train.max_step=1", "unknown config key 'train.max_step'.*did you mean 'train.max_steps'"),
+        ("train.checkpoint.dir=x", "unknown config key 'train.checkpoint'.*did you mean 'checkpoint'"),
         ("nosection.x=1", "unknown config key 'nosection'"),
         ("train.max_steps=1.5", "'train.max_steps' must be an integer"),
         ("train.progress=3", "must be true or false"),
@@ -52,6 +54,11 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
         load_config(p)
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.toml")
+    p.write_text("[train]\nmax_steps = 3\n")  # a valid file: a bad --set is blamed, not the file
+    with pytest.raises(ValueError, match=r"unknown config key 'train.checkpoint'.*\(from --set train.checkpoint.dir=x\)$"):
+        load_config(p, ["train.max_steps=4", "train.checkpoint.dir=x"])
+    with pytest.raises(ValueError, match=r"\(from --set novalue\)$"):
+        load_config(p, ["novalue"])
     p.write_text("[train\n")
     with pytest.raises(ValueError, match="not valid TOML"):
         load_config(p)
