@@ -19,6 +19,12 @@ Contenders:
   it into fbgemm's CPU TBE), ``DistributedModelParallel`` with its default planner (gloo, CPU, same
   world size, also for 1 rank), ``KeyedOptimizerWrapper(Adagrad)`` for the dense part.
 
+With ``--pipelines``, two more contenders on models of their own: ``neorec_pipeline`` (the same
+step through ``neorec.train.pipeline.TrainPipeline``, what ``neorec train`` runs by default: batch
+i + 1's id exchange in flight during batch i) and ``torchrec_pipeline`` (``DLRMTrain`` under DMP,
+driven by ``TrainPipelineSparseDist``, batch i + 1's input all-to-all launched during batch i); each
+pipeline is kept across timed runs, and the pipelined ratio is reported next to the plain one.
+
 Every rank builds both models; each timed run is ``--steps`` steps of one framework; runs alternate
 neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
 median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, the median
@@ -39,6 +45,7 @@ Run (repository root, venv active, peers: `pip install -r benchmarks/requirement
 
     python benchmarks/bench_e2e.py --configs pool1 --ranks 1 --steps 5 --repeats 3    # one cell
     python benchmarks/bench_e2e.py --quick                                            # smoke run
+    python benchmarks/bench_e2e.py --ranks 2 --pipelines    # also both frameworks' pipelined loops
     python benchmarks/bench_e2e.py --profile neorec_profile    # also a torch.profiler table of neorec's step
     python benchmarks/bench_e2e.py --trace /tmp/t    # chrome traces of one neorec run per rank (trace_timeline.py)
 """
@@ -46,6 +53,7 @@ Run (repository root, venv active, peers: `pip install -r benchmarks/requirement
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -122,8 +130,13 @@ def make_batches(source, c: E2EConfig, world: int, rank: int, count: int):
 
 # ------------------------------------------------------------------------------------------ models
 class NeorecRunner:
-    def __init__(self, cfg, source, rank: int, world: int, dense_group):
+    """neorec's ``Trainer.train_step`` over the endless cycle of this rank's batches. ``pipelined``:
+    through ``TrainPipeline`` (``Trainer.fit``'s default loop: batch i + 1's id exchange in flight
+    during batch i's backward and optimizer step), kept across timed runs."""
+
+    def __init__(self, cfg, source, rank: int, world: int, dense_group, batches, pipelined: bool = False):
         from neorec.train.distributed import DistributedContext
+        from neorec.train.pipeline import TrainPipeline
         from neorec.train.trainer import Trainer
 
         ctx = None
@@ -131,10 +144,18 @@ class NeorecRunner:
             ctx = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"),
                                      dist.group.WORLD, dense_group)
         self.trainer = Trainer(cfg, source=source, out=open(os.devnull, "w"), distributed=ctx)
+        cycle = ((batch, size) for batch, size, _ in itertools.cycle(batches))
+        if pipelined:
+            self._steps = TrainPipeline(self.trainer.model, torch.device("cpu")).run(cycle)
+        else:
+            self._steps = ((batch, size, None) for batch, size in cycle)
 
-    def step(self, item) -> float:
-        batch, size, _ = item
-        return self.trainer.train_step(batch, size)
+    def run(self, steps: int) -> List[float]:
+        out = []
+        for _ in range(steps):
+            batch, size, hooks = next(self._steps)
+            out.append(self.trainer.train_step(batch, size, hooks))
+        return out
 
 
 def copy_mlp_weights(neorec_model, torchrec_dlrm) -> None:
@@ -151,10 +172,17 @@ def copy_mlp_weights(neorec_model, torchrec_dlrm) -> None:
 
 
 class TorchrecRunner:
-    def __init__(self, c: E2EConfig, neorec_tables, neorec_model, rank: int, world: int, seed: int = 0):
+    """TorchRec's DLRM under ``DistributedModelParallel`` over the endless cycle of this rank's
+    batches: forward, loss, backward, optimizer step by hand; ``pipelined``: ``DLRMTrain`` driven by
+    ``TrainPipelineSparseDist`` (batch i + 1's input all-to-all launched during batch i)."""
+
+    def __init__(self, c: E2EConfig, neorec_tables, neorec_model, world: int, batches,
+                 pipelined: bool = False, seed: int = 0):
         import torchrec
+        from torchrec.datasets.utils import Batch as TorchrecBatch
         from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.models.dlrm import DLRM
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        from torchrec.models.dlrm import DLRM, DLRMTrain
         from torchrec.optim.keyed import KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
         from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -165,12 +193,12 @@ class TorchrecRunner:
                                               num_embeddings=t.num_embeddings, feature_names=list(t.feature_names))
                   for t in neorec_tables]
         ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-        model = DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
-                     dense_arch_layer_sizes=BOTTOM + [c.dim], over_arch_layer_sizes=TOP + [1],
-                     dense_device=torch.device("cpu"))
-        copy_mlp_weights(neorec_model, model)  # same dense init (the tables share the init law)
-        apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": SPARSE_LR, "eps": EPS})
-        self.model = DistributedModelParallel(model, device=torch.device("cpu"))
+        dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                    dense_arch_layer_sizes=BOTTOM + [c.dim], over_arch_layer_sizes=TOP + [1],
+                    dense_device=torch.device("cpu"))
+        copy_mlp_weights(neorec_model, dlrm)  # same dense init (the tables share the init law)
+        apply_optimizer_in_backward(RowWiseAdagrad, dlrm.sparse_arch.parameters(), {"lr": SPARSE_LR, "eps": EPS})
+        self.model = DistributedModelParallel(DLRMTrain(dlrm) if pipelined else dlrm, device=torch.device("cpu"))
         self.optimizer = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
             lambda params: torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS),
@@ -178,19 +206,34 @@ class TorchrecRunner:
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.world = world
         self.plan = str(self.model.plan)
+        self._cycle = itertools.cycle(batches)
+        self.pipeline = None
+        if pipelined:
+            self.pipeline = TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
+            self._cycle = (TorchrecBatch(dense_features=batch.dense, sparse_features=kjt, labels=batch.labels)
+                           for batch, _, kjt in self._cycle)
 
-    def step(self, item) -> float:
-        batch, _, kjt = item
+    def _step(self) -> torch.Tensor:
+        if self.pipeline is not None:
+            loss, _, _ = self.pipeline.progress(self._cycle)  # DLRMTrain's (loss, logits, labels), detached
+            return loss.clone()
+        batch, _, kjt = next(self._cycle)
         logits = self.model(batch.dense, kjt).squeeze(-1)
         loss = self.loss_fn(logits, batch.labels)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        value = loss.detach()
-        if self.world > 1:  # report the global mean, like neorec's train_step
-            dist.all_reduce(value)
-            value = value / self.world
-        return float(value)
+        return loss.detach()
+
+    def run(self, steps: int) -> List[float]:
+        out = []
+        for _ in range(steps):
+            value = self._step()
+            if self.world > 1:  # report the global mean, like neorec's train_step
+                dist.all_reduce(value)
+                value = value / self.world
+            out.append(float(value))
+        return out
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -211,15 +254,17 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
     t0 = time.perf_counter()
     batches = make_batches(source, c, world, rank, args.batches)
     gen_s = time.perf_counter() - t0
-    runners = {"neorec": NeorecRunner(cfg, source, rank, world, dense_group),
-               "torchrec": None}
-    runners["torchrec"] = TorchrecRunner(c, source.tables(c.dim), runners["neorec"].trainer.model, rank, world)
+    runners = {"neorec": NeorecRunner(cfg, source, rank, world, dense_group, batches)}
+    neorec_model, tables = runners["neorec"].trainer.model, source.tables(c.dim)
+    runners["torchrec"] = TorchrecRunner(c, tables, neorec_model, world, batches)
+    if args.pipelines:  # each framework's pipelined loop too, on models of their own
+        runners["neorec_pipeline"] = NeorecRunner(cfg, source, rank, world, dense_group, batches, pipelined=True)
+        runners["torchrec_pipeline"] = TorchrecRunner(c, tables, neorec_model, world, batches, pipelined=True)
     torch.set_num_threads(threads)  # the trainer may have set it; keep both equal
     losses: Dict[str, List[float]] = {n: [] for n in runners}
     times: Dict[str, List[float]] = {n: [] for n in runners}
     faults: Dict[str, List[float]] = {n: [] for n in runners}  # page faults per step (rank 0)
     cpu: Dict[str, List[List[float]]] = {n: [] for n in runners}  # CPU ms per step: [main thread, other threads]
-    cursor = {n: 0 for n in runners}
 
     def run(name: str, steps: int) -> float:
         runner = runners[name]
@@ -227,10 +272,7 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         main_cpu, process_cpu = time.thread_time(), time.process_time()
         start = time.perf_counter()
-        for _ in range(steps):
-            item = batches[cursor[name] % len(batches)]
-            cursor[name] += 1
-            losses[name].append(runner.step(item))
+        losses[name].extend(runner.run(steps))
         seconds = time.perf_counter() - start
         main_cpu, process_cpu = time.thread_time() - main_cpu, time.process_time() - process_cpu
         faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
@@ -288,6 +330,12 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
     qps = {n: [samples / t for t in ts] for n, ts in raw["times"].items()}
     med = {n: statistics.median(v) for n, v in qps.items()}
     pairs = [a / b for a, b in zip(qps["neorec"], qps["torchrec"])]
+    pipelined = {}
+    if "neorec_pipeline" in qps:  # --pipelines: the two pipelined loops against each other
+        pipe_pairs = [a / b for a, b in zip(qps["neorec_pipeline"], qps["torchrec_pipeline"])]
+        pipelined = {"pipelined_ratio": med["neorec_pipeline"] / med["torchrec_pipeline"],
+                     "pipelined_pair_ratios": pipe_pairs,
+                     "pipelined_median_pair_ratio": statistics.median(pipe_pairs)}
     tenth = {}
     for n, ls in raw["losses"].items():
         k = max(1, len(ls) // 10)
@@ -296,7 +344,7 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
             "samples_per_s": qps, "median_samples_per_s": med,
             "median_ms_per_step": {n: c.batch_size * world / v * 1e3 for n, v in med.items()},
             "ratio_neorec_over_torchrec": med["neorec"] / med["torchrec"],
-            "pair_ratios": pairs, "median_pair_ratio": statistics.median(pairs),
+            "pair_ratios": pairs, "median_pair_ratio": statistics.median(pairs), **pipelined,
             "loss_first_last_tenth": tenth, "losses": raw["losses"], "torchrec_plan": raw["torchrec_plan"],
             "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"],
             "median_page_faults_per_step": {n: statistics.median(v) for n, v in raw["faults_per_step"].items()},
@@ -318,6 +366,9 @@ def main(argv=None) -> int:
     p.add_argument("--keep-malloc", action="store_true",
                    help="leave glibc's malloc thresholds as they are (default: neorec's, for both frameworks)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / ranks)")
+    p.add_argument("--pipelines", action="store_true",
+                   help="also time each framework's pipelined loop (neorec's TrainPipeline, TorchRec's "
+                        "TrainPipelineSparseDist) as two more contenders in the alternation, on models of their own")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     table = QUICK if args.quick else CONFIGS
@@ -334,6 +385,12 @@ def main(argv=None) -> int:
                   f"{ms['torchrec']:>12.1f} {r['ratio_neorec_over_torchrec']:>6.2f} {r['median_pair_ratio']:>11.2f}   "
                   f"{lt['neorec'][0]:.4f}->{lt['neorec'][1]:.4f} | {lt['torchrec'][0]:.4f}->{lt['torchrec'][1]:.4f}",
                   flush=True)
+            if "pipelined_ratio" in r:
+                lt = r["loss_first_last_tenth"]
+                print(f"    pipelined loops: neorec {ms['neorec_pipeline']:.1f} ms, torchrec {ms['torchrec_pipeline']:.1f} ms, "
+                      f"ratio {r['pipelined_ratio']:.2f}, pair ratio {r['pipelined_median_pair_ratio']:.2f}   "
+                      f"loss {lt['neorec_pipeline'][0]:.4f}->{lt['neorec_pipeline'][1]:.4f} | "
+                      f"{lt['torchrec_pipeline'][0]:.4f}->{lt['torchrec_pipeline'][1]:.4f}", flush=True)
             print("    CPU ms per step, main thread + other threads, per rank: " + " | ".join(
                 f"{n} " + ", ".join(f"{c['main_thread']:.1f} + {c['other_threads']:.1f}" for c in per_rank)
                 for n, per_rank in r["median_cpu_ms_per_step"].items()), flush=True)
