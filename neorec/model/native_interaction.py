@@ -8,14 +8,16 @@ Gram matrix) and splits the samples over ``torch.get_num_threads()`` (OpenMP) th
 
 ``dot_interaction_blocks(dense, blocks, self_interaction)``: the same with the sparse vectors given
 as ``ColumnBlocks`` ([B, F * D] as column blocks of other tensors, what a sharded collection
-received): each sample's vectors are gathered from the blocks in the kernel and their gradients
-scattered back, so the [B, F * D] matrix is never built. Same bits as
+received): the kernels read every vector where it lies and write its gradient to the same place in
+a gradient of the same blocks (when a vector is split between two blocks, a column-wise sharded
+table, each sample's vectors are gathered into a small buffer instead and their gradients
+scattered back), so the [B, F * D] matrix is never built. Same bits as
 ``dot_interaction(dense, blocks.materialize().view(B, F, D), ...)``.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -96,8 +98,23 @@ def _block_table(parts: Sequence[torch.Tensor], runs) -> Tuple[torch.Tensor, Lis
                         for p, s, t, w in runs], 4)
 
 
+def _vector_table(parts: Sequence[torch.Tensor], runs, dim: int) -> Optional[Tuple[torch.Tensor, List[int]]]:
+    """Per sparse vector, in feature order (the ``_vectors`` kernels' two arrays): the address of its
+    first element in sample 0 and the row stride in bytes; None when a vector is split over two runs
+    (a column-wise sharded table), which the ``_blocks`` kernels gather instead."""
+    size = 4  # fp32
+    vectors = []  # (column in the [B, F * D] matrix, address, stride)
+    for p, s, t, w in runs:
+        if t % dim or w % dim:
+            return None
+        vectors += [(t + c, parts[p].data_ptr() + (s + c) * size, parts[p].stride(0) * size) for c in range(0, w, dim)]
+    vectors.sort()
+    return int64_table([v[1:] for v in vectors], 2)
+
+
 class _DotInteractionBlocks(torch.autograd.Function):
-    """``dot_interaction`` reading the sparse vectors from column blocks (``ColumnBlocks``)."""
+    """``dot_interaction`` reading the sparse vectors from column blocks (``ColumnBlocks``): in place
+    when every vector lies whole in one run, else gathered per sample."""
 
     @staticmethod
     def forward(ctx, dense, self_interaction, num_features, rows, flat_widths, runs, flat, *extras):  # type: ignore[override]
@@ -108,10 +125,15 @@ class _DotInteractionBlocks(torch.autograd.Function):
         batch, dim = dense.shape
         pairs = _num_pairs(num_features, self_interaction)
         out = torch.empty(batch, dim + pairs, dtype=torch.float32)
-        _table, pointers = _block_table(blocks.parts(), runs)
-        library.neorec_dot_interaction_forward_blocks(dense.data_ptr(), num_features, dim, int(self_interaction),
-                                                      batch, threads_for(batch, MIN_SAMPLES_PER_THREAD), len(runs),
-                                                      *pointers, out.data_ptr())
+        threads = threads_for(batch, MIN_SAMPLES_PER_THREAD)
+        vectors = _vector_table(blocks.parts(), runs, dim)
+        if vectors is not None:
+            library.neorec_dot_interaction_forward_vectors(dense.data_ptr(), num_features, dim, int(self_interaction),
+                                                           batch, threads, *vectors[1], out.data_ptr())
+        else:
+            _table, pointers = _block_table(blocks.parts(), runs)
+            library.neorec_dot_interaction_forward_blocks(dense.data_ptr(), num_features, dim, int(self_interaction),
+                                                          batch, threads, len(runs), *pointers, out.data_ptr())
         ctx.save_for_backward(dense, blocks.flat, *extras)
         ctx.meta = (bool(self_interaction), num_features, rows, flat_widths, runs)
         return out
@@ -123,17 +145,24 @@ class _DotInteractionBlocks(torch.autograd.Function):
         self_interaction, num_features, rows, flat_widths, runs = ctx.meta
         grad_out = _rows_of_floats(grad_out)
         batch, dim = dense.shape
+        threads = threads_for(batch, MIN_SAMPLES_PER_THREAD)
         blocks = ColumnBlocks(flat, rows, flat_widths, tuple(extras), runs)
         grads = ColumnBlocks(torch.empty_like(flat), rows, flat_widths, tuple(torch.empty(e.shape) for e in extras),
                              runs)  # every column of the parts is one run's: all written
         grad_dense = torch.empty(batch, dim, dtype=torch.float32)
-        _table, pointers = _block_table(blocks.parts(), runs)
-        _grad_table, grad_pointers = _block_table(grads.parts(), runs)
-        library.neorec_dot_interaction_backward_blocks(grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(),
-                                                       num_features, dim, int(self_interaction), batch,
-                                                       threads_for(batch, MIN_SAMPLES_PER_THREAD), len(runs),
-                                                       *pointers, grad_pointers[0], grad_pointers[1],
-                                                       grad_dense.data_ptr())
+        vectors = _vector_table(blocks.parts(), runs, dim)
+        if vectors is not None:
+            _grad_table, grad_pointers = _vector_table(grads.parts(), runs, dim)
+            library.neorec_dot_interaction_backward_vectors(grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(),
+                                                            num_features, dim, int(self_interaction), batch, threads,
+                                                            *vectors[1], *grad_pointers, grad_dense.data_ptr())
+        else:
+            _table, pointers = _block_table(blocks.parts(), runs)
+            _grad_table, grad_pointers = _block_table(grads.parts(), runs)
+            library.neorec_dot_interaction_backward_blocks(grad_out.data_ptr(), grad_out.stride(0), dense.data_ptr(),
+                                                           num_features, dim, int(self_interaction), batch, threads,
+                                                           len(runs), *pointers, grad_pointers[0], grad_pointers[1],
+                                                           grad_dense.data_ptr())
         return (grad_dense, None, None, None, None, None, grads.flat, *grads.extras)
 
 

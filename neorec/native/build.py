@@ -51,6 +51,9 @@ SIGNATURES = {
     "neorec_dot_interaction_forward_blocks": (None, [_P, _I64, _I64, _I32, _I64, _I64, _I64, _P, _P, _P, _P, _P]),
     "neorec_dot_interaction_backward_blocks": (None, [_P, _I64, _P, _I64, _I64, _I32, _I64, _I64, _I64, _P, _P,
                                                       _P, _P, _P, _P, _P]),
+    "neorec_dot_interaction_forward_vectors": (None, [_P, _I64, _I64, _I32, _I64, _I64, _P, _P, _P]),
+    "neorec_dot_interaction_backward_vectors": (None, [_P, _I64, _P, _I64, _I64, _I32, _I64, _I64, _P, _P, _P, _P,
+                                                       _P]),
     "neorec_copy_blocks": (None, [_I64, _I64, _P, _P, _P, _P, _P, _I64]),
 }
 

@@ -11,11 +11,14 @@
  * vectors stay in L1 cache, and no [B, n, D] concatenation or [B, n, n] Gram matrix is built. Each
  * sample is handled by one (OpenMP) thread in a fixed order: the same inputs give the same bits.
  *
- * The ``_blocks`` entry points read the sparse vectors from column blocks of other matrices (the
- * parts a sharded embedding collection received, see neorec/sharding/output_dist.py) instead of
- * one [B, F * D] matrix: each sample's F vectors are gathered into a small per-thread buffer (L1),
- * and the backward scatters their gradients the same way, so the [B, F * D] matrix of the
- * placement is never written nor read back. They give the same bits as placement + interaction.
+ * The kernels take a sample's vectors (and, backward, the rows their gradients go to) by address,
+ * so the vectors need not be adjacent. The ``_vectors`` entry points read them in place from other
+ * matrices (each sparse vector k at base[k] + b * stride[k] bytes: the parts a sharded embedding
+ * collection received, see neorec/sharding/output_dist.py) and write their gradients the same way;
+ * the ``_blocks`` ones, for vectors split over column blocks (a column-wise sharded table), gather
+ * each sample's vectors into a small per-thread buffer (L1) and scatter their gradients back. Either
+ * way the [B, F * D] matrix of the placement is never written nor read back, and the bits are those
+ * of placement + interaction.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,24 +26,42 @@
 
 #include "common.h"
 
-/* Vector k of one sample: v_0 (the dense vector) or its sparse vector k - 1 (the F sparse vectors of
- * a sample are adjacent). */
-static inline const float *vector_of(const float *dense_row, const float *sparse_row, int64_t k, int64_t dim) {
-    return k == 0 ? dense_row : sparse_row + (k - 1) * dim;
+/* Where the n vectors of one sample are: v_0 = dense and v_k = sparse + (k - 1) * dim when its F
+ * sparse vectors are adjacent, or v_k = at[k] (by address). Where the rows of its gradient go:
+ * likewise. The kernels below take ``by_address`` as a constant of their (inlined) call sites, so
+ * the adjacent case keeps its plain offset addressing. */
+typedef struct {
+    const float *dense, *sparse;
+    const float *const *at;
+} Vectors;
+
+typedef struct {
+    float *dense, *sparse;
+    float *const *at;
+} Targets;
+
+INLINE const float *vector(Vectors x, int64_t k, int64_t dim, const int by_address) {
+    return by_address ? x.at[k] : k == 0 ? x.dense : x.sparse + (k - 1) * dim;
+}
+
+INLINE float *target(Targets x, int64_t k, int64_t dim, const int by_address) {
+    return by_address ? x.at[k] : k == 0 ? x.dense : x.sparse + (k - 1) * dim;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_DOT_BLOCKS 1
 
-/* out[k] = <a, b + k * dim> for k < 8 (dim a multiple of 8): eight independent FMA chains share
- * the loads of a, then one transposing reduction. A fixed order: deterministic. */
-static inline void dots8(const float *a, const float *b, int64_t dim, float *out) {
+/* out[k] = <a, v_{j+k}> for k < 8 (dim a multiple of 8): eight independent FMA chains share the
+ * loads of a, then one transposing reduction. A fixed order: deterministic. */
+INLINE void dots8(const float *a, Vectors x, int64_t j, int64_t dim, const int by_address, float *out) {
+    const float *b[8];
+    for (int k = 0; k < 8; ++k) b[k] = vector(x, j + k, dim, by_address);
     __m256 s[8];
     for (int k = 0; k < 8; ++k) s[k] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 x = _mm256_loadu_ps(a + d);
-        for (int k = 0; k < 8; ++k) s[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + k * dim + d), s[k]);
+        const __m256 a8 = _mm256_loadu_ps(a + d);
+        for (int k = 0; k < 8; ++k) s[k] = _mm256_fmadd_ps(a8, _mm256_loadu_ps(b[k] + d), s[k]);
     }
     const __m256 u0 = _mm256_hadd_ps(s[0], s[1]), u1 = _mm256_hadd_ps(s[2], s[3]);
     const __m256 u2 = _mm256_hadd_ps(s[4], s[5]), u3 = _mm256_hadd_ps(s[6], s[7]);
@@ -49,14 +70,16 @@ static inline void dots8(const float *a, const float *b, int64_t dim, float *out
 }
 
 /* The same for four vectors. */
-static inline void dots4(const float *a, const float *b, int64_t dim, float *out) {
+INLINE void dots4(const float *a, Vectors x, int64_t j, int64_t dim, const int by_address, float *out) {
+    const float *b0 = vector(x, j, dim, by_address), *b1 = vector(x, j + 1, dim, by_address),
+                *b2 = vector(x, j + 2, dim, by_address), *b3 = vector(x, j + 3, dim, by_address);
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 x = _mm256_loadu_ps(a + d);
-        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + d), s0);
-        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + dim + d), s1);
-        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * dim + d), s2);
-        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * dim + d), s3);
+        const __m256 a8 = _mm256_loadu_ps(a + d);
+        s0 = _mm256_fmadd_ps(a8, _mm256_loadu_ps(b0 + d), s0);
+        s1 = _mm256_fmadd_ps(a8, _mm256_loadu_ps(b1 + d), s1);
+        s2 = _mm256_fmadd_ps(a8, _mm256_loadu_ps(b2 + d), s2);
+        s3 = _mm256_fmadd_ps(a8, _mm256_loadu_ps(b3 + d), s3);
     }
     const __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
@@ -65,42 +88,41 @@ static inline void dots4(const float *a, const float *b, int64_t dim, float *out
 
 /* One sample. Always inlined into callers with a constant dim (the common widths), so the loops
  * over dim unroll and the accumulators live in registers; the generic call takes any dim. With
- * AVX2 and a width that is a multiple of 8, the pairs (i, j..j+7) of the sparse vectors (adjacent
- * in memory) are computed eight or four at a time. */
-static inline __attribute__((always_inline)) void forward_sample(const float *dense, const float *sparse, int64_t n,
-                                                                 const int64_t dim, int32_t self_interaction,
-                                                                 float *row) {
-    memcpy(row, dense, (size_t)dim * sizeof(float));
+ * AVX2 and a width that is a multiple of 8, the pairs (i, j..j+7) are computed eight or four at a
+ * time. */
+INLINE void forward_sample(Vectors x, const int by_address, int64_t n, const int64_t dim, int32_t self_interaction,
+                           float *row) {
+    memcpy(row, x.dense, (size_t)dim * sizeof(float));
     float *restrict p = row + dim;
     for (int64_t i = 0; i < n; ++i) {
-        const float *vi = vector_of(dense, sparse, i, dim);
+        const float *vi = vector(x, i, dim, by_address);
         int64_t j = self_interaction ? i : i + 1;
 #ifdef HAVE_DOT_BLOCKS
         if (dim % 8 == 0) {
-            if (j == 0) *p++ = dot(vi, vi, dim), j = 1; /* v_0 is not beside the sparse vectors */
-            for (; j + 8 <= n; j += 8, p += 8) dots8(vi, vector_of(dense, sparse, j, dim), dim, p);
-            for (; j + 4 <= n; j += 4, p += 4) dots4(vi, vector_of(dense, sparse, j, dim), dim, p);
+            if (j == 0) *p++ = dot(vi, vi, dim), j = 1; /* <v_0, v_0> alone, then groups from v_1 */
+            for (; j + 8 <= n; j += 8, p += 8) dots8(vi, x, j, dim, by_address, p);
+            for (; j + 4 <= n; j += 4, p += 4) dots4(vi, x, j, dim, by_address, p);
         }
 #endif
-        for (; j < n; ++j) *p++ = dot(vi, vector_of(dense, sparse, j, dim), dim);
+        for (; j < n; ++j) *p++ = dot(vi, vector(x, j, dim, by_address), dim);
     }
 }
 
-static inline __attribute__((always_inline)) void backward_sample(const float *g, const float *dense,
-                                                                  const float *sparse, int64_t n, const int64_t dim,
-                                                                  const float *symmetric, float *grad_dense,
-                                                                  float *grad_sparse) {
+/* The backward of one sample: row i of the result (dv_i = sum_j S_ij v_j, plus g's dense part for
+ * i = 0) into target i. */
+INLINE void backward_sample(const float *g, Vectors x, Targets t, const int by_address, int64_t n, const int64_t dim,
+                            const float *symmetric) {
     for (int64_t i = 0; i < n; ++i) {
         float acc[dim];
         for (int64_t d = 0; d < dim; ++d) acc[d] = i == 0 ? g[d] : 0.0f;
         const float *s = symmetric + i * n;
         for (int64_t j = 0; j < n; ++j) {
             const float weight = s[j];
-            const float *restrict vj = vector_of(dense, sparse, j, dim);
+            const float *restrict vj = vector(x, j, dim, by_address);
             for (int64_t d = 0; d < dim; ++d) acc[d] += weight * vj[d];
         }
-        float *target = i == 0 ? grad_dense : grad_sparse + (i - 1) * dim;
-        for (int64_t d = 0; d < dim; ++d) target[d] = acc[d];
+        float *row = target(t, i, dim, by_address);
+        for (int64_t d = 0; d < dim; ++d) row[d] = acc[d];
     }
 }
 
@@ -109,13 +131,12 @@ static inline __attribute__((always_inline)) void backward_sample(const float *g
  * result at once, 32 floats (four registers) of each at a time, so every chunk of v_j loaded
  * serves two rows: eight FMA chains, two broadcasts and four loads per j. The sum over j runs in
  * the same order as backward_sample's (one FMA per term), so both give the same bits. */
-INLINE void backward_sample_blocks(const float *g, const float *dense, const float *sparse, int64_t n,
-                                   const int64_t dim, const float *symmetric, float *grad_dense, float *grad_sparse) {
+INLINE void backward_sample_blocks(const float *g, Vectors x, Targets t, const int by_address, int64_t n,
+                                   const int64_t dim, const float *symmetric) {
     for (int64_t i = 0; i < n; i += 2) {
         const int two = i + 1 < n;
         const float *s0 = symmetric + i * n, *s1 = symmetric + (i + two) * n;
-        float *t0 = i == 0 ? grad_dense : grad_sparse + (i - 1) * dim;
-        float *t1 = grad_sparse + i * dim; /* row i + 1 (a sparse vector) */
+        float *t0 = target(t, i, dim, by_address), *t1 = target(t, i + two, dim, by_address); /* t1 used if two */
         for (int64_t c = 0; c < dim; c += 32) {
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
                    a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
@@ -125,9 +146,9 @@ INLINE void backward_sample_blocks(const float *g, const float *dense, const flo
                 a2 = _mm256_loadu_ps(g + c + 16), a3 = _mm256_loadu_ps(g + c + 24);
             }
             for (int64_t j = 0; j < n; ++j) {
-                const float *v = vector_of(dense, sparse, j, dim) + c;
-                const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8), x2 = _mm256_loadu_ps(v + 16),
-                             x3 = _mm256_loadu_ps(v + 24);
+                const float *vj = vector(x, j, dim, by_address) + c;
+                const __m256 x0 = _mm256_loadu_ps(vj), x1 = _mm256_loadu_ps(vj + 8), x2 = _mm256_loadu_ps(vj + 16),
+                             x3 = _mm256_loadu_ps(vj + 24);
                 const __m256 w0 = _mm256_broadcast_ss(s0 + j), w1 = _mm256_broadcast_ss(s1 + j);
                 a0 = _mm256_fmadd_ps(w0, x0, a0), a1 = _mm256_fmadd_ps(w0, x1, a1);
                 a2 = _mm256_fmadd_ps(w0, x2, a2), a3 = _mm256_fmadd_ps(w0, x3, a3);
@@ -162,17 +183,23 @@ static inline void symmetric_of(const float *g, int64_t dim, int64_t n, int32_t 
     }
 }
 
-/* The backward of one sample: dv_0 into grad_dense, dv_1.. (adjacent) into grad_sparse. */
-static inline void backward_one(const float *g, const float *dense, const float *sparse, int64_t n, int64_t dim,
-                                int32_t self_interaction, float *symmetric, float *grad_dense, float *grad_sparse) {
+/* The backward of one sample: dv_i into target i. */
+INLINE void backward_one(const float *g, Vectors x, Targets t, const int by_address, int64_t n, int64_t dim,
+                         int32_t self_interaction, float *symmetric) {
     symmetric_of(g, dim, n, self_interaction, symmetric);
 #ifdef HAVE_DOT_BLOCKS
     if (dim % 32 == 0) {
-        FOR_DIM(dim, backward_sample_blocks(g, dense, sparse, n, D, symmetric, grad_dense, grad_sparse))
+        FOR_DIM(dim, backward_sample_blocks(g, x, t, by_address, n, D, symmetric))
         return;
     }
 #endif
-    FOR_DIM(dim, backward_sample(g, dense, sparse, n, D, symmetric, grad_dense, grad_sparse))
+    FOR_DIM(dim, backward_sample(g, x, t, by_address, n, D, symmetric))
+}
+
+/* Sample b's vectors by address: v_0 = dense_row, v_k at base[k - 1] + b * stride[k - 1] bytes. */
+static inline void addresses(int64_t b, int64_t num_features, const int64_t *base, const int64_t *stride,
+                             const float **at) {
+    for (int64_t k = 0; k < num_features; ++k) at[k + 1] = (const float *)(intptr_t)(base[k] + b * stride[k]);
 }
 
 static void *checked_malloc(size_t bytes) {
@@ -190,8 +217,8 @@ void neorec_dot_interaction_forward(const float *dense, const float *sparse, int
     const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t b = 0; b < batch; ++b) {
-        FOR_DIM(dim, forward_sample(dense + b * dim, sparse + b * sparse_stride, n, D, self_interaction,
-                                    out + b * (D + pairs)))
+        const Vectors x = {dense + b * dim, sparse + b * sparse_stride, NULL};
+        FOR_DIM(dim, forward_sample(x, 0, n, D, self_interaction, out + b * (D + pairs)))
     }
 }
 
@@ -206,10 +233,61 @@ void neorec_dot_interaction_backward(const float *grad_out, int64_t grad_stride,
     {
         float *symmetric = checked_malloc((size_t)(n * n) * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; ++b)
-            backward_one(grad_out + b * grad_stride, dense + b * dim, sparse + b * sparse_stride, n, dim,
-                         self_interaction, symmetric, grad_dense + b * dim, grad_sparse + b * (n - 1) * dim);
+        for (int64_t b = 0; b < batch; ++b) {
+            const Vectors x = {dense + b * dim, sparse + b * sparse_stride, NULL};
+            const Targets t = {grad_dense + b * dim, grad_sparse + b * (n - 1) * dim, NULL};
+            backward_one(grad_out + b * grad_stride, x, t, 0, n, dim, self_interaction, symmetric);
+        }
         free(symmetric);
+    }
+}
+
+/* neorec_dot_interaction_forward with sparse vector k of sample b at base[k] + b * stride[k] bytes
+ * (anywhere: the parts a sharded collection received, read in place). */
+void neorec_dot_interaction_forward_vectors(const float *dense, int64_t num_features, int64_t dim,
+                                            int32_t self_interaction, int64_t batch, int64_t threads,
+                                            const int64_t *base, const int64_t *stride, float *out) {
+    const int64_t n = num_features + 1;
+    const int64_t pairs = self_interaction ? n * (n + 1) / 2 : n * (n - 1) / 2;
+#pragma omp parallel num_threads((int)threads)
+    {
+        const float **at = checked_malloc((size_t)n * sizeof(*at));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; ++b) {
+            at[0] = dense + b * dim;
+            addresses(b, num_features, base, stride, at);
+            const Vectors x = {at[0], NULL, at};
+            FOR_DIM(dim, forward_sample(x, 1, n, D, self_interaction, out + b * (D + pairs)))
+        }
+        free(at);
+    }
+}
+
+/* neorec_dot_interaction_backward with the sparse vectors as in the forward (base, stride) and the
+ * gradient of vector k of sample b written to grad_base[k] + b * grad_stride_bytes[k] bytes. */
+void neorec_dot_interaction_backward_vectors(const float *grad_out, int64_t grad_stride, const float *dense,
+                                             int64_t num_features, int64_t dim, int32_t self_interaction,
+                                             int64_t batch, int64_t threads, const int64_t *base,
+                                             const int64_t *stride, const int64_t *grad_base,
+                                             const int64_t *grad_stride_bytes, float *grad_dense) {
+    const int64_t n = num_features + 1;
+#pragma omp parallel num_threads((int)threads)
+    {
+        float *symmetric = checked_malloc((size_t)(n * n) * sizeof(float));
+        const float **at = checked_malloc((size_t)(2 * n) * sizeof(*at));
+        float **to = (float **)(at + n);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; ++b) {
+            at[0] = dense + b * dim;
+            addresses(b, num_features, base, stride, at);
+            to[0] = grad_dense + b * dim;
+            addresses(b, num_features, grad_base, grad_stride_bytes, (const float **)to);
+            const Vectors x = {at[0], NULL, at};
+            const Targets t = {to[0], NULL, to};
+            backward_one(grad_out + b * grad_stride, x, t, 1, n, dim, self_interaction, symmetric);
+        }
+        free(symmetric);
+        free(at);
     }
 }
 
@@ -229,7 +307,8 @@ static inline void scatter(int64_t b, int64_t count, const int64_t *dst, const i
         copy_bytes((char *)(intptr_t)dst[k] + b * dst_stride[k], (const char *)vectors + offset[k], bytes[k]);
 }
 
-/* neorec_dot_interaction_forward with the sparse vectors in ``count`` column blocks (see gather). */
+/* neorec_dot_interaction_forward with the sparse vectors in ``count`` column blocks (see gather),
+ * for vectors split over blocks; the _vectors entry points read whole vectors in place. */
 void neorec_dot_interaction_forward_blocks(const float *dense, int64_t num_features, int64_t dim,
                                            int32_t self_interaction, int64_t batch, int64_t threads, int64_t count,
                                            const int64_t *src, const int64_t *src_stride, const int64_t *dst,
@@ -242,7 +321,8 @@ void neorec_dot_interaction_forward_blocks(const float *dense, int64_t num_featu
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; ++b) {
             gather(b, count, src, src_stride, dst, bytes, vectors);
-            FOR_DIM(dim, forward_sample(dense + b * dim, vectors, n, D, self_interaction, out + b * (D + pairs)))
+            const Vectors x = {dense + b * dim, vectors, NULL};
+            FOR_DIM(dim, forward_sample(x, 0, n, D, self_interaction, out + b * (D + pairs)))
         }
         free(vectors);
     }
@@ -266,8 +346,9 @@ void neorec_dot_interaction_backward_blocks(const float *grad_out, int64_t grad_
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; ++b) {
             gather(b, count, src, src_stride, dst, bytes, vectors);
-            backward_one(grad_out + b * grad_stride, dense + b * dim, vectors, n, dim, self_interaction, symmetric,
-                         grad_dense + b * dim, grads);
+            const Vectors x = {dense + b * dim, vectors, NULL};
+            const Targets t = {grad_dense + b * dim, grads, NULL};
+            backward_one(grad_out + b * grad_stride, x, t, 0, n, dim, self_interaction, symmetric);
             scatter(b, count, grad_src, grad_src_stride, dst, bytes, grads);
         }
         free(symmetric);

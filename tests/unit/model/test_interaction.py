@@ -113,15 +113,22 @@ def _column_blocks(batch, num_features, dim, generator, split_features=(1,)):
 
 @pytest.mark.parametrize("dim", [16, 40, 64])
 @pytest.mark.parametrize("self_interaction", [False, True])
-def test_native_dot_reads_column_blocks_in_place_with_the_same_bits(dim, self_interaction):
+@pytest.mark.parametrize("split_features", [(1,), ()], ids=["a-vector-split-gathered", "whole-vectors-by-address"])
+def test_native_dot_reads_column_blocks_in_place_with_the_same_bits(dim, self_interaction, split_features):
     """The sparse vectors given as column blocks of other tensors (a sharded collection's received
-    parts): the kernel gathers them per sample and scatters their gradients back; outputs and
-    gradients equal (bit for bit) placing the blocks into one matrix and running the kernel."""
+    parts): the kernel reads every vector where it lies and writes its gradient there (or, when a
+    vector is split between two blocks, gathers the sample's vectors and scatters their gradients
+    back); outputs and gradients equal (bit for bit) placing the blocks into one matrix and running
+    the kernel."""
+    from neorec.model.native_interaction import _vector_table
+
     generator = torch.Generator().manual_seed(4)
     batch, num_features = 300, 6
-    blocks, leaves = _column_blocks(batch, num_features, dim, generator)
-    # permuted blocks from all three parts, a feature cut between two of them
-    assert {part for part, *_ in blocks.runs} == {0, 1, 2} and any(t % dim for _, _, t, _ in blocks.runs)
+    blocks, leaves = _column_blocks(batch, num_features, dim, generator, split_features)
+    # permuted blocks from all three parts, a feature cut between two of them or none
+    assert {part for part, *_ in blocks.runs} == {0, 1, 2}
+    assert any(t % dim for _, _, t, _ in blocks.runs) == bool(split_features)
+    assert (_vector_table(blocks.parts(), blocks.runs, dim) is None) == bool(split_features)
     dense = torch.randn(batch, dim, generator=generator, requires_grad=True)
     layer = DotInteraction(num_features, self_interaction=self_interaction, embedding_dim=dim, kernel="native")
     out = layer(dense, blocks)
