@@ -386,7 +386,6 @@ def main(argv=None) -> int:
                   f"{lt['neorec'][0]:.4f}->{lt['neorec'][1]:.4f} | {lt['torchrec'][0]:.4f}->{lt['torchrec'][1]:.4f}",
                   flush=True)
             if "pipelined_ratio" in r:
-                lt = r["loss_first_last_tenth"]
                 print(f"    pipelined loops: neorec {ms['neorec_pipeline']:.1f} ms, torchrec {ms['torchrec_pipeline']:.1f} ms, "
                       f"ratio {r['pipelined_ratio']:.2f}, pair ratio {r['pipelined_median_pair_ratio']:.2f}   "
                       f"loss {lt['neorec_pipeline'][0]:.4f}->{lt['neorec_pipeline'][1]:.4f} | "
