@@ -24,6 +24,10 @@ step through ``neorec.train.pipeline.TrainPipeline``, what ``neorec train`` runs
 i + 1's id exchange in flight during batch i) and ``torchrec_pipeline`` (``DLRMTrain`` under DMP,
 driven by ``TrainPipelineSparseDist``, batch i + 1's input all-to-all launched during batch i); each
 pipeline is kept across timed runs, and the pipelined ratio is reported next to the plain one.
+With ``--ceiling``, one more: ``mlp_only``, the dense MLPs alone (copies of neorec's layers, forward
+and backward on the rank's batch shapes, no embeddings, interaction, exchange, loss or optimizer):
+the matrix products both frameworks run in every step. TorchRec's step over it ("ceiling ratio") is
+the most any framework could reach against TorchRec on this host if everything else took no time.
 
 Every rank builds both models; each timed run is ``--steps`` steps of one framework; runs alternate
 neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
@@ -46,6 +50,7 @@ Run (repository root, venv active, peers: `pip install -r benchmarks/requirement
     python benchmarks/bench_e2e.py --configs pool1 --ranks 1 --steps 5 --repeats 3    # one cell
     python benchmarks/bench_e2e.py --quick                                            # smoke run
     python benchmarks/bench_e2e.py --ranks 2 --pipelines    # also both frameworks' pipelined loops
+    python benchmarks/bench_e2e.py --ceiling    # also the dense MLPs alone: the ratio's ceiling
     python benchmarks/bench_e2e.py --profile neorec_profile    # also a torch.profiler table of neorec's step
     python benchmarks/bench_e2e.py --trace /tmp/t    # chrome traces of one neorec run per rank (trace_timeline.py)
 """
@@ -158,6 +163,43 @@ class NeorecRunner:
         return out
 
 
+class MlpOnlyRunner:
+    """The dense MLPs alone (``--ceiling``): copies of neorec's bottom and top MLPs (the model's own
+    layers: ``AlignedLinear`` + ReLU) run forward and backward on this rank's batch shapes, with
+    nothing else: no embeddings, interaction, exchange, loss or optimizer. The top MLP's input is a
+    leaf that requires grad (its gradient feeds the interaction in the model), the bottom's is the
+    dense features (no gradient, as in the model); both outputs get fixed random gradients. Both
+    frameworks run these same matrix products in every step, so TorchRec's step over this one bounds
+    the ratio any framework could reach on this host at that moment."""
+
+    def __init__(self, neorec_model, batches):
+        import copy
+
+        src = getattr(neorec_model, "module", neorec_model)
+        self.bottom, self.top = copy.deepcopy(src.dense_arch), copy.deepcopy(src.over_arch)
+        self.params = list(self.bottom.parameters()) + list(self.top.parameters())
+        self._dense = itertools.cycle([batch.dense for batch, _, _ in batches])
+        size = batches[0][0].dense.shape[0]
+        width = next(m for m in self.top.modules() if isinstance(m, torch.nn.Linear)).in_features
+        g = torch.Generator().manual_seed(0)
+        self.top_input = torch.randn(size, width, generator=g).requires_grad_()
+        self._grads = None
+
+    def run(self, steps: int) -> List[float]:
+        out = []
+        for _ in range(steps):
+            for p in self.params:
+                p.grad = None
+            self.top_input.grad = None
+            outputs = [self.bottom(next(self._dense)), self.top(self.top_input)]
+            if self._grads is None:
+                g = torch.Generator().manual_seed(1)
+                self._grads = [torch.randn(o.shape, generator=g) for o in outputs]
+            torch.autograd.backward(outputs, self._grads)
+            out.append(float(outputs[1].detach().sum()))
+        return out
+
+
 def copy_mlp_weights(neorec_model, torchrec_dlrm) -> None:
     """Copy the bottom and top MLPs of neorec's DLRM into TorchRec's (same shapes, same order)."""
     src = getattr(neorec_model, "module", neorec_model)
@@ -260,6 +302,8 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
     if args.pipelines:  # each framework's pipelined loop too, on models of their own
         runners["neorec_pipeline"] = NeorecRunner(cfg, source, rank, world, dense_group, batches, pipelined=True)
         runners["torchrec_pipeline"] = TorchrecRunner(c, tables, neorec_model, world, batches, pipelined=True)
+    if args.ceiling:  # the dense MLPs alone: the work both frameworks share
+        runners["mlp_only"] = MlpOnlyRunner(neorec_model, batches)
     torch.set_num_threads(threads)  # the trainer may have set it; keep both equal
     losses: Dict[str, List[float]] = {n: [] for n in runners}
     times: Dict[str, List[float]] = {n: [] for n in runners}
@@ -336,6 +380,11 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
         pipelined = {"pipelined_ratio": med["neorec_pipeline"] / med["torchrec_pipeline"],
                      "pipelined_pair_ratios": pipe_pairs,
                      "pipelined_median_pair_ratio": statistics.median(pipe_pairs)}
+    ceiling = {}
+    if "mlp_only" in qps:  # --ceiling: TorchRec's step over the dense MLPs' alone
+        ceiling_pairs = [a / b for a, b in zip(qps["mlp_only"], qps["torchrec"])]
+        ceiling = {"ceiling_ratio": med["mlp_only"] / med["torchrec"], "ceiling_pair_ratios": ceiling_pairs,
+                   "ceiling_median_pair_ratio": statistics.median(ceiling_pairs)}
     tenth = {}
     for n, ls in raw["losses"].items():
         k = max(1, len(ls) // 10)
@@ -344,7 +393,7 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
             "samples_per_s": qps, "median_samples_per_s": med,
             "median_ms_per_step": {n: c.batch_size * world / v * 1e3 for n, v in med.items()},
             "ratio_neorec_over_torchrec": med["neorec"] / med["torchrec"],
-            "pair_ratios": pairs, "median_pair_ratio": statistics.median(pairs), **pipelined,
+            "pair_ratios": pairs, "median_pair_ratio": statistics.median(pairs), **pipelined, **ceiling,
             "loss_first_last_tenth": tenth, "losses": raw["losses"], "torchrec_plan": raw["torchrec_plan"],
             "neorec_plan": raw["neorec_plan"], "batch_generation_seconds": raw["gen_seconds"],
             "median_page_faults_per_step": {n: statistics.median(v) for n, v in raw["faults_per_step"].items()},
@@ -369,6 +418,9 @@ def main(argv=None) -> int:
     p.add_argument("--pipelines", action="store_true",
                    help="also time each framework's pipelined loop (neorec's TrainPipeline, TorchRec's "
                         "TrainPipelineSparseDist) as two more contenders in the alternation, on models of their own")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time the dense MLPs alone (neorec's layers, forward + backward, nothing else) "
+                        "as one more contender: TorchRec's step over it bounds the reachable ratio")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     table = QUICK if args.quick else CONFIGS
@@ -390,6 +442,10 @@ def main(argv=None) -> int:
                       f"ratio {r['pipelined_ratio']:.2f}, pair ratio {r['pipelined_median_pair_ratio']:.2f}   "
                       f"loss {lt['neorec_pipeline'][0]:.4f}->{lt['neorec_pipeline'][1]:.4f} | "
                       f"{lt['torchrec_pipeline'][0]:.4f}->{lt['torchrec_pipeline'][1]:.4f}", flush=True)
+            if "ceiling_ratio" in r:
+                print(f"    dense MLPs alone (forward + backward, nothing else): {ms['mlp_only']:.1f} ms; "
+                      f"TorchRec's step over it: {r['ceiling_ratio']:.2f} (pair {r['ceiling_median_pair_ratio']:.2f}), "
+                      f"the most any framework could reach if all else took no time", flush=True)
             print("    CPU ms per step, main thread + other threads, per rank: " + " | ".join(
                 f"{n} " + ", ".join(f"{c['main_thread']:.1f} + {c['other_threads']:.1f}" for c in per_rank)
                 for n, per_rank in r["median_cpu_ms_per_step"].items()), flush=True)
