@@ -58,6 +58,7 @@ Run (repository root, venv active, peers: `pip install -r benchmarks/requirement
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import os
@@ -173,8 +174,6 @@ class MlpOnlyRunner:
     the ratio any framework could reach on this host at that moment."""
 
     def __init__(self, neorec_model, batches):
-        import copy
-
         src = getattr(neorec_model, "module", neorec_model)
         self.bottom, self.top = copy.deepcopy(src.dense_arch), copy.deepcopy(src.over_arch)
         self.params = list(self.bottom.parameters()) + list(self.top.parameters())
@@ -374,17 +373,17 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
     qps = {n: [samples / t for t in ts] for n, ts in raw["times"].items()}
     med = {n: statistics.median(v) for n, v in qps.items()}
     pairs = [a / b for a, b in zip(qps["neorec"], qps["torchrec"])]
-    pipelined = {}
-    if "neorec_pipeline" in qps:  # --pipelines: the two pipelined loops against each other
-        pipe_pairs = [a / b for a, b in zip(qps["neorec_pipeline"], qps["torchrec_pipeline"])]
-        pipelined = {"pipelined_ratio": med["neorec_pipeline"] / med["torchrec_pipeline"],
-                     "pipelined_pair_ratios": pipe_pairs,
-                     "pipelined_median_pair_ratio": statistics.median(pipe_pairs)}
-    ceiling = {}
-    if "mlp_only" in qps:  # --ceiling: TorchRec's step over the dense MLPs' alone
-        ceiling_pairs = [a / b for a, b in zip(qps["mlp_only"], qps["torchrec"])]
-        ceiling = {"ceiling_ratio": med["mlp_only"] / med["torchrec"], "ceiling_pair_ratios": ceiling_pairs,
-                   "ceiling_median_pair_ratio": statistics.median(ceiling_pairs)}
+
+    def compared(prefix: str, a: str, b: str) -> dict:
+        """``a``'s samples/s over ``b``'s, as ``{prefix}_ratio`` (of medians) and per alternation pair."""
+        if a not in qps:
+            return {}
+        ab = [x / y for x, y in zip(qps[a], qps[b])]
+        return {f"{prefix}_ratio": med[a] / med[b], f"{prefix}_pair_ratios": ab,
+                f"{prefix}_median_pair_ratio": statistics.median(ab)}
+
+    pipelined = compared("pipelined", "neorec_pipeline", "torchrec_pipeline")  # --pipelines
+    ceiling = compared("ceiling", "mlp_only", "torchrec")  # --ceiling: TorchRec's step over the MLPs' alone
     tenth = {}
     for n, ls in raw["losses"].items():
         k = max(1, len(ls) // 10)
