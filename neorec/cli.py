@@ -8,13 +8,14 @@
     neorec plan --model neo-model-f --topology zionex --out plan.json --chart load.png
     neorec config --config configs/default.toml    # print the resolved config
     neorec data write-criteo /tmp/day_0.tsv --lines 100000
-    neorec data preprocess-criteo /tmp/day_0.tsv /tmp/criteo_bin --num-embeddings 100000
+    neorec data preprocess-criteo /tmp/day_0.tsv --num-embeddings 100000   # optional: train does it
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import List, Optional, Sequence
 
@@ -24,9 +25,12 @@ EXIT_USAGE = 2
 def _config_keys_help() -> str:
     from neorec.config import iter_config_keys
 
+    keys = list(iter_config_keys())
+    key_width = max(len(key) for key, _, _ in keys)
+    type_width = max(len(type_name) for _, type_name, _ in keys)
     lines = ["config keys (TOML tables / --set section.key=value), with defaults:"]
-    for key, type_name, default in iter_config_keys():
-        lines.append(f"  {key:<36} {type_name:<10} {default!r}")
+    for key, type_name, default in keys:
+        lines.append(f"  {key:<{key_width}}  {type_name:<{type_width}}  {default!r}")
     return "\n".join(lines)
 
 
@@ -55,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train", help="train a DLRM and report eval AUC, NE and QPS",
-        description="Train a DLRM on one process. Without --config it trains the default model on "
+        description="Train a DLRM on one process, or with sharded embeddings on N local processes "
+        "(--nproc N) or under torchrun. Without --config it trains the default model on "
         "built-in synthetic data (no download). Prints progress with loss and QPS, evaluates "
         "NE / AUC / calibration, and writes OUTPUT_DIR/metrics.jsonl and OUTPUT_DIR/config.json.",
         epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -88,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser(
         "config", help="print the resolved config as JSON (defaults + --config + --set)",
+        description="Print the config a `neorec train` with the same --config and --set would use, "
+        "as JSON, after checking every key and type. Nothing is trained.",
         epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(config)
@@ -96,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
 
-    data = sub.add_parser("data", help="data tools: write and preprocess Criteo TSV")
+    data = sub.add_parser(
+        "data", help="data tools: write and preprocess Criteo TSV",
+        description="Data tools for the Criteo source: write learnable synthetic data in the raw "
+        "Criteo TSV layout (no download needed), and preprocess a TSV into the binary form training "
+        "reads. `neorec data DATA_COMMAND --help` describes each.",
+    )
     data_sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
     write = data_sub.add_parser(
         "write-criteo", help="write synthetic click data in the raw Criteo TSV layout",
@@ -109,13 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     prep = data_sub.add_parser(
         "preprocess-criteo", help="convert a Criteo TSV into neorec's memory-mapped binary form",
         description="Stream a raw Criteo TSV file into binary memory-mapped arrays (dense log(1+x), "
-        "categorical ids hashed into NUM_EMBEDDINGS rows). Memory stays bounded whatever the "
-        "file size. A malformed line stops with its line number unless --skip-malformed.",
+        "categorical ids hashed into NUM_EMBEDDINGS rows) where `neorec train` looks for them: "
+        "PROCESSED_DIR/train (and PROCESSED_DIR/eval for --eval-tsv), PROCESSED_DIR being "
+        "data.criteo.processed_dir (default: TSV.neorec beside the file). Training does this "
+        "itself on first use; running it first only moves the work. Memory stays bounded whatever "
+        "the file size. A malformed line stops with its line number unless --skip-malformed.",
     )
-    prep.add_argument("tsv", help="input Criteo TSV file")
-    prep.add_argument("out_dir", help="output directory")
+    prep.add_argument("tsv", help="input Criteo TSV file (data.criteo.train_path)")
+    prep.add_argument("processed_dir", nargs="?", default=None,
+                      help="output directory, the data.criteo.processed_dir to train with "
+                      "(default: TSV.neorec)")
+    prep.add_argument("--eval-tsv", metavar="TSV", default=None,
+                      help="also preprocess this held-out file (data.criteo.eval_path)")
     prep.add_argument("--num-embeddings", type=int, default=100_000,
-                      help="rows per categorical table; ids are hashed into it (default 100000)")
+                      help="rows per categorical table, ids are hashed into it; must equal "
+                      "data.criteo.num_embeddings when training (default 100000)")
     prep.add_argument("--skip-malformed", action="store_true",
                       help="count and skip malformed lines instead of stopping")
     return parser
@@ -242,17 +262,45 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"wrote {args.lines:,} lines to {args.path}")
         return 0
     if args.data_command == "preprocess-criteo":
-        stats = criteo.preprocess_criteo(
-            args.tsv, args.out_dir, num_embeddings=args.num_embeddings,
-            skip_malformed=args.skip_malformed,
-        )
-        print(f"preprocessed {args.tsv} -> {args.out_dir}: {stats}")
+        processed = args.processed_dir or f"{args.tsv}.neorec"
+        sets = [f"data.criteo.train_path={args.tsv}"]
+        for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")]:
+            if tsv is None:
+                continue
+            out = os.path.join(processed, split)
+            stats = criteo.preprocess_criteo(tsv, out, num_embeddings=args.num_embeddings,
+                                             skip_malformed=args.skip_malformed)
+            skipped = f", {stats.num_skipped:,} malformed lines skipped" if stats.num_skipped else ""
+            print(f"preprocessed {tsv} -> {out}: {stats.num_rows:,} rows of {stats.num_lines:,} lines"
+                  f"{skipped} ({stats.num_bytes / 2**20:,.1f} MiB read in {stats.seconds:.1f} s)")
+            for example in stats.skipped_examples:
+                print(f"  skipped {example}")
+        if args.eval_tsv is not None:
+            sets.append(f"data.criteo.eval_path={args.eval_tsv}")
+        if args.processed_dir is not None:
+            sets.append(f"data.criteo.processed_dir={args.processed_dir}")
+        sets.append(f"data.criteo.num_embeddings={args.num_embeddings}")
+        if args.skip_malformed:
+            sets.append("data.criteo.skip_malformed=true")
+        print("train on it with: neorec train --config configs/criteo.toml "
+              + " ".join(f"--set {shlex.quote(s)}" for s in sets))
         return 0
     parser.parse_args(["data", "--help"])
     return EXIT_USAGE
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`neorec config | head`): stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

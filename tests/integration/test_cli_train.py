@@ -1,6 +1,7 @@
 """`neorec train` end to end on tiny configs, through the CLI entry point."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,25 @@ def test_python_dash_m_and_help():
         assert key in out.stdout
 
 
+def test_help_lists_every_key_in_aligned_columns():
+    from neorec.cli import _config_keys_help
+
+    rows = _config_keys_help().splitlines()[1:]
+    assert any(row.split()[0] == "checkpoint.full_when_fraction_exceeds" for row in rows)
+    type_columns = {row.index(row.split()[1], len(row.split()[0]) + 2) for row in rows}
+    assert len(type_columns) == 1, type_columns
+
+
+def test_closed_stdout_is_no_traceback():
+    """`neorec config | head -1`: the reader leaving is not an error worth a stack trace."""
+    proc = subprocess.Popen([sys.executable, "-m", "neorec", "config"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the interpreter has imported torch and printed anything
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.returncode == 1
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -83,16 +103,27 @@ def test_config_command_prints_resolved_json(capsys):
     assert cfg["train"]["seed"] == 5
 
 
-def test_criteo_tools_and_training(tmp_path, capsys):
-    tsv = tmp_path / "day_0.tsv"
+@pytest.mark.parametrize("processed_dir", [None, "bin"])
+def test_criteo_tools_and_training(tmp_path, capsys, monkeypatch, processed_dir):
+    from neorec.data import criteo
+
+    tsv = tmp_path / "day 0.tsv"  # a space: the printed command must quote it
     assert main(["data", "write-criteo", str(tsv), "--lines", "3000"]) == 0
-    assert main(["data", "preprocess-criteo", str(tsv), str(tmp_path / "bin"),
+    out_dir = [] if processed_dir is None else [str(tmp_path / processed_dir)]
+    assert main(["data", "preprocess-criteo", str(tsv), *out_dir, "--eval-tsv", str(tsv),
                  "--num-embeddings", "1000"]) == 0
-    rc = main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), "--no-progress",
-               "--output-dir", str(tmp_path / "run"),
-               "--set", f"data.criteo.train_path={json.dumps(str(tsv))}",
-               "--set", f"data.criteo.processed_dir={json.dumps(str(tmp_path / 'bin'))}",
-               "--set", "data.criteo.num_embeddings=1000", "--set", "train.max_steps=20"])
+    printed = capsys.readouterr().out
+    command = printed.splitlines()[-1]
+    assert command.startswith("train on it with: neorec train ")
+    args = shlex.split(command.split("neorec ", 1)[1])
+    assert args[:3] == ["train", "--config", "configs/criteo.toml"]
+
+    def no_second_pass(*a, **k):
+        raise AssertionError("train preprocessed again what preprocess-criteo had written")
+
+    monkeypatch.setattr(criteo, "preprocess_criteo", no_second_pass)
+    rc = main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), *args[3:], "--no-progress",
+               "--output-dir", str(tmp_path / "run"), "--set", "train.max_steps=20"])
     assert rc == 0, capsys.readouterr().err
     assert read_log(tmp_path / "run" / "metrics.jsonl")[-1]["kind"] == "final"
 
