@@ -50,7 +50,7 @@ print(json.dumps({"ms": statistics.median(wall), "faults": statistics.median(fau
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="pool1", choices=["pool1", "pool20"])
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--runs", type=int, default=12)

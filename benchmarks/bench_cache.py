@@ -300,7 +300,7 @@ def section_big_ssd(args, workdir: str) -> Dict:
 
 # ---------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", nargs="+", default=["hit-rate", "train", "big-ssd"])
     parser.add_argument("--out", default="")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks every code path")

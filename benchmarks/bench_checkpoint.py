@@ -149,7 +149,7 @@ def bytes_and_ne(args, intervals: List[int], tmp: Path, results: Dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="training steps per run")
     parser.add_argument("--intervals", default="10,25,50", help="checkpoint every N steps (comma list)")
     parser.add_argument("--batch-size", type=int, default=512)

@@ -402,9 +402,13 @@ def run_cell(c: E2EConfig, world: int, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="pool1,pool20")
-    p.add_argument("--ranks", default="1,2")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="pool1,pool20",
+                   help="comma-separated cells: " + "; ".join(
+                       f"{n} = {c.num_tables} tables x {c.num_rows:,} rows, dim {c.dim}, batch {c.batch_size} "
+                       f"per rank, pooling {c.pooling:g}" for n, c in CONFIGS.items()) + " (default: both)")
+    p.add_argument("--ranks", default="1,2",
+                   help="comma-separated gloo world sizes to run each config on (default: 1,2)")
     p.add_argument("--steps", type=int, default=6, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per framework (alternating)")
     p.add_argument("--batches", type=int, default=8, help="distinct global batches, cycled")
@@ -420,15 +424,24 @@ def main(argv=None) -> int:
     p.add_argument("--ceiling", action="store_true",
                    help="also time the dense MLPs alone (neorec's layers, forward + backward, nothing else) "
                         "as one more contender: TorchRec's step over it bounds the reachable ratio")
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="also write every figure, the command and the versions to this JSON file")
     args = p.parse_args(argv)
     table = QUICK if args.quick else CONFIGS
+    unknown = [n for n in args.configs.split(",") if n not in table]
+    if unknown:
+        p.error(f"unknown config(s) {unknown}; choose from {sorted(table)}")
+    try:
+        worlds = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        p.error(f"--ranks takes comma-separated integers, got {args.ranks!r}")
+    if min(worlds) < 1:
+        p.error(f"--ranks must be >= 1, got {args.ranks!r}")
     results = []
     print(f"{'config':8} {'ranks':>5} {'neorec samples/s':>17} {'torchrec samples/s':>19} {'neorec ms':>10} "
           f"{'torchrec ms':>12} {'ratio':>6} {'pair ratio':>11}   loss first->last tenth (neorec | torchrec)",
           flush=True)
     for name in args.configs.split(","):
-        for world in [int(r) for r in args.ranks.split(",")]:
+        for world in worlds:
             r = run_cell(table[name], world, args)
             results.append(r)
             m, ms, lt = r["median_samples_per_s"], r["median_ms_per_step"], r["loss_first_last_tenth"]

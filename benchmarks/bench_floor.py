@@ -122,7 +122,7 @@ def embedding_accesses(name: str) -> Dict[str, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     cores = os.cpu_count() or 1

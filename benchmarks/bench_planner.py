@@ -117,7 +117,7 @@ def run_paper(rounds: int, models, nodes=(1, 2, 4, 8, 16)) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("suite", "paper", "all"), default="all")
     parser.add_argument("--models", default="neo-model-a,neo-model-f,neo-model-i")
     parser.add_argument("--tasks", type=int, default=100)

@@ -183,7 +183,7 @@ def run_world(world: int, steps: int, tables: List[TableSpec], calibration_dir: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out")

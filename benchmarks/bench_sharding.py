@@ -140,7 +140,7 @@ def measure_speed(repeats: int, samples: int) -> Dict[str, Dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["bytes", "speed", "all"], default="all")
     parser.add_argument("--worlds", default="2,4", help="world sizes of the byte counts (default 2,4)")
     parser.add_argument("--steps", type=int, default=3, help="steps averaged in the byte counts")

@@ -219,7 +219,7 @@ def machine() -> Dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=7, help="alternating rounds per contender")
     parser.add_argument("--steps", type=int, default=3, help="training steps per timed run")

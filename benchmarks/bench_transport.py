@@ -75,7 +75,7 @@ def worker(rank: int, world: int, store: str, token: str, repeats: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args(argv)
     if not os.path.isdir("/dev/shm"):

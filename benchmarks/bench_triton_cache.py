@@ -162,7 +162,7 @@ def run_config(config: CacheBenchConfig, device: torch.device, repeats: int, cop
 
 
 def main(argv: List[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per contender and phase")
     parser.add_argument("--out", default="benchmarks/results/bench_triton_cache.json")

@@ -33,7 +33,7 @@ def events(path: str, rank: int, match: Tuple[str, ...], min_us: float) -> List[
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("prefix", help="PREFIX_CONFIG_rW of the trace files (without _rankN.json)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--start", type=float, default=0.0, help="ms from the first event")
