@@ -138,8 +138,10 @@ class MovieLensConfig:
     """MovieLens-100k as click data (label = rating >= min_rating_positive), split in time: the
     last eval_fraction of interactions by timestamp are the eval set.
 
-    path: directory holding ``<name>.inter``, ``<name>.user`` and ``<name>.item`` (tab-separated,
-        typed headers such as ``user_id:token``).
+    path: directory holding GroupLens' ``u.data``, ``u.user``, ``u.item`` and ``u.genre`` (as
+        unpacked from ml-100k.zip), or RecBole's ``<name>.inter``, ``<name>.user`` and
+        ``<name>.item`` (tab-separated, typed headers such as ``user_id:token``). Nothing is
+        downloaded; the default is the team's shared copy beside the repository.
     seed: seed of the per-epoch shuffle of the training interactions.
     """
 

@@ -6,9 +6,16 @@
     from neorec.data.movielens import MovieLensSource
     source = MovieLensSource(MovieLensConfig(path="../shared/data/ml-100k"))
 
-The directory holds three tab-separated files with typed headers (``user_id:token`` ...):
-``<name>.inter`` (user_id, item_id, rating, timestamp), ``<name>.user`` (user_id, age, gender,
-occupation, zip_code) and ``<name>.item`` (item_id, release_year, class = space-separated genres).
+The directory holds the data in one of two layouts:
+
+* GroupLens' own, as unpacked from ``ml-100k.zip``: ``u.data`` (user, item, rating, timestamp,
+  tab-separated), ``u.user`` (user|age|gender|occupation|zip), ``u.item`` (item|title|release
+  date|video release date|URL|one 0/1 flag per genre) and ``u.genre`` (name|index), Latin-1;
+* RecBole's atomic files, tab-separated with typed headers (``user_id:token`` ...):
+  ``<name>.inter`` (user_id, item_id, rating, timestamp), ``<name>.user`` (user_id, age, gender,
+  occupation, zip_code) and ``<name>.item`` (item_id, release_year, class = space-separated genres).
+
+Both give the same features, ids and batches (a test builds one small data set in both layouts).
 
 Sparse features (KeyedJaggedTensor keys, in order): user, item, age (bucket: <18, 18-24, 25-34,
 35-44, 45-49, 50-55, 56+), gender, occupation, zip (first 3 characters), release_year, genres (a
@@ -46,10 +53,13 @@ REQUIRED = {
     "item": ["item_id", "release_year", "class"],
 }
 _EXPECTED = (
-    "a directory with <name>.inter (user_id, item_id, rating, timestamp), <name>.user (user_id, age, "
-    "gender, occupation, zip_code) and <name>.item (item_id, release_year, class): tab-separated, with "
-    "typed headers such as 'user_id:token' (e.g. ../shared/data/ml-100k)"
+    "a directory with GroupLens' MovieLens-100k files (u.data, u.user, u.item, u.genre, as unpacked "
+    "from ml-100k.zip) or RecBole's <name>.inter (user_id, item_id, rating, timestamp), <name>.user "
+    "(user_id, age, gender, occupation, zip_code) and <name>.item (item_id, release_year, class): "
+    "tab-separated, with typed headers such as 'user_id:token'"
 )
+GROUPLENS = {"inter": "u.data", "user": "u.user", "item": "u.item", "genre": "u.genre"}
+Columns = Dict[str, List[str]]
 
 
 def _find_file(directory: Path, kind: str) -> Path:
@@ -83,7 +93,48 @@ def read_table(path: Path, required: Sequence[str]) -> Dict[str, List[str]]:
     return {name: list(columns[k]) for k, name in enumerate(names)}
 
 
-def _numbers(path: Path, name: str, texts: List[str]) -> np.ndarray:
+def _grouplens_rows(path: Path, separator: str, width: int) -> List[List[str]]:
+    """The fields of every non-empty line of a headerless GroupLens file (Latin-1)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"MovieLens directory {path.parent} has u.data but no {path.name}; expected {_EXPECTED}")
+    rows = []
+    with open(path, encoding="latin-1") as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line:
+                continue
+            fields = line.split(separator) if separator else line.split()
+            if len(fields) != width:
+                raise ValueError(f"{path}:{number}: expected {width} {separator or 'whitespace'}-separated "
+                                 f"fields, found {len(fields)}")
+            rows.append(fields)
+    return rows
+
+
+def read_grouplens(directory: Path) -> Dict[str, Columns]:
+    """GroupLens' ml-100k files as the columns of the RecBole layout (``REQUIRED``'s names): genres
+    become the space-separated names of the flagged genres, the release date its year."""
+    genre_rows = _grouplens_rows(directory / GROUPLENS["genre"], "|", 2)
+    genres = [name for name, _ in sorted(genre_rows, key=lambda row: int(row[1]))]
+    inter_rows = _grouplens_rows(directory / GROUPLENS["inter"], "", 4)
+    user_rows = _grouplens_rows(directory / GROUPLENS["user"], "|", 5)
+    item_rows = _grouplens_rows(directory / GROUPLENS["item"], "|", 5 + len(genres))
+    item_path = directory / GROUPLENS["item"]
+    for row in item_rows:
+        if any(flag not in ("0", "1") for flag in row[5:]):
+            raise ValueError(f"{item_path}: item {row[0]}: genre flags must be 0 or 1, found {row[5:]}")
+
+    def columns(rows: List[List[str]], names: Sequence[str]) -> Columns:
+        return {name: [row[k] for row in rows] for k, name in enumerate(names)}
+
+    items = columns(item_rows, ["item_id", "title", "release_date"])
+    items["release_year"] = [date.strip()[-4:] if date.strip() else "unknown" for date in items.pop("release_date")]
+    items["class"] = [" ".join(g for g, flag in zip(genres, row[5:]) if flag == "1") for row in item_rows]
+    return {"inter": columns(inter_rows, REQUIRED["inter"]), "user": columns(user_rows, REQUIRED["user"]),
+            "item": items}
+
+
+def _numbers(path: Path, name: str, texts: List[str], first_line: int = 2) -> np.ndarray:
     try:
         return np.array(texts, dtype=np.float64)
     except ValueError:
@@ -91,7 +142,8 @@ def _numbers(path: Path, name: str, texts: List[str]) -> np.ndarray:
             try:
                 float(text)
             except ValueError:
-                raise ValueError(f"{path}:{i + 2}: column {name!r} holds {text!r}, expected a number") from None
+                raise ValueError(f"{path}:{i + first_line}: column {name!r} holds {text!r}, "
+                                 "expected a number") from None
         raise
 
 
@@ -123,15 +175,26 @@ class MovieLensSource:
         directory = Path(cfg.path)
         if not directory.is_dir():
             raise FileNotFoundError(f"MovieLens directory not found: {directory}; expected {_EXPECTED}")
-        paths = {kind: _find_file(directory, kind) for kind in REQUIRED}
-        inter, users, items = (read_table(paths[k], REQUIRED[k]) for k in ("inter", "user", "item"))
+        if (directory / GROUPLENS["inter"]).is_file():
+            paths = {kind: directory / GROUPLENS[kind] for kind in REQUIRED}
+            tables = read_grouplens(directory)
+            first_line = 1  # of the data: these files have no header
+        else:
+            paths = {kind: _find_file(directory, kind) for kind in REQUIRED}
+            tables = {kind: read_table(paths[kind], REQUIRED[kind]) for kind in REQUIRED}
+            first_line = 2
+        inter, users, items = tables["inter"], tables["user"], tables["item"]
+
+        def numbers(kind: str, name: str, texts: List[str]) -> np.ndarray:
+            return _numbers(paths[kind], name, texts, first_line)
+
         self.feature_names = list(FEATURES)
         self.dense_names = list(DENSE_NAMES)
         self.num_dense = len(DENSE_NAMES)
 
         # users: attribute ids indexed by the user's id (row 0 = unknown user)
         user_vocab = _vocabulary(users["user_id"])
-        ages = _numbers(paths["user"], "age", users["age"])
+        ages = numbers("user", "age", users["age"])
         attributes = {
             "age": [_age_bucket(a) for a in ages], "gender": users["gender"],
             "occupation": users["occupation"], "zip": [z.strip()[:3] for z in users["zip_code"]],
@@ -168,8 +231,8 @@ class MovieLensSource:
         self._genre_values = np.array([g for b in bags for g in b], dtype=np.int64)
 
         # interactions, sorted by time
-        ratings = _numbers(paths["inter"], "rating", inter["rating"])
-        timestamps = _numbers(paths["inter"], "timestamp", inter["timestamp"])
+        ratings = numbers("inter", "rating", inter["rating"])
+        timestamps = numbers("inter", "timestamp", inter["timestamp"])
         order = np.argsort(timestamps, kind="stable")
         self.timestamps = timestamps[order]
         self._user = np.array([user_vocab.get(u, 0) for u in inter["user_id"]], dtype=np.int64)[order]

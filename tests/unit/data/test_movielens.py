@@ -82,12 +82,3 @@ def test_shuffled_per_epoch_deterministically(source):
     assert torch.equal(torch.sort(first).values, torch.sort(users(1)).values)
     assert torch.equal(users(1, start_batch=3), users(1)[30_000:])
 
-
-def test_missing_directory_or_file_is_explained(tmp_path):
-    with pytest.raises(FileNotFoundError, match="MovieLens directory not found: .*nowhere.*expected .*inter"):
-        MovieLensSource(MovieLensConfig(path=str(tmp_path / "nowhere")))
-    partial = tmp_path / "ml-tiny"
-    partial.mkdir()
-    (partial / "ml-tiny.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1\t5\t10\n")
-    with pytest.raises(FileNotFoundError, match=r"has no \*\.user file"):
-        MovieLensSource(MovieLensConfig(path=str(partial)))

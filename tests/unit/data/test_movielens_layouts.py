@@ -1,0 +1,102 @@
+"""MovieLens-100k in GroupLens' own layout (u.data, u.user, u.item, u.genre) and in RecBole's
+atomic files give the same source: one small data set written both ways."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from neorec.data import MovieLensConfig
+from neorec.data.movielens import MovieLensSource
+
+GENRES = ["unknown", "Action", "Children's", "Comedy"]
+USERS = [("1", "24", "M", "technician", "85711"), ("2", "53", "F", "other", "94043"),
+         ("3", "17", "M", "student", "T8H1N"), ("7", "57", "M", "administrator", "91344")]
+# item, title (Latin-1 on disk in GroupLens' layout), release date, genre names
+ITEMS = [("1", "Toy Story (1995)", "01-Jan-1995", ["Children's", "Comedy"]),
+         ("2", "GoldenEye (1995)", "01-Jan-1995", ["Action"]),
+         ("3", "Señorita (1971)", "01-Jan-1971", ["unknown"]),
+         ("4", "unknown", "", ["unknown"]),
+         ("5", "Die Hard (1988)", "01-Jan-1988", ["Action", "Comedy"])]
+RNG = np.random.default_rng(3)
+RATINGS = [(str(RNG.choice(["1", "2", "3", "7"])), str(RNG.integers(1, 6)), str(RNG.integers(1, 6)),
+            str(880_000_000 + int(t))) for t in RNG.permutation(60) * 1000]
+
+
+def write_grouplens(directory: Path) -> Path:
+    directory.mkdir()
+    (directory / "u.data").write_text("".join("\t".join(r) + "\n" for r in RATINGS))
+    (directory / "u.user").write_text("".join("|".join(u) + "\n" for u in USERS))
+    (directory / "u.genre").write_text("".join(f"{g}|{i}\n" for i, g in enumerate(GENRES)) + "\n")
+    lines = [f"{item}|{title}|{date}||http://example.invalid/{item}|"
+             + "|".join("1" if g in genres else "0" for g in GENRES) + "\n"
+             for item, title, date, genres in ITEMS]
+    (directory / "u.item").write_bytes("".join(lines).encode("latin-1"))
+    return directory
+
+
+def write_recbole(directory: Path) -> Path:
+    directory.mkdir()
+    name = directory.name
+    (directory / f"{name}.inter").write_text(
+        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n" + "".join("\t".join(r) + "\n" for r in RATINGS))
+    (directory / f"{name}.user").write_text(
+        "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
+        + "".join("\t".join(u) + "\n" for u in USERS))
+    (directory / f"{name}.item").write_text(
+        "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+        + "".join(f"{item}\t{title}\t{date[-4:] if date else 'unkonwn'}\t{' '.join(genres)}\n"
+                  for item, title, date, genres in ITEMS))
+    return directory
+
+
+def batches(source: MovieLensSource):
+    return list(source.train_batches(16, epoch=1)) + list(source.eval_batches(16))
+
+
+def test_both_layouts_give_the_same_source(tmp_path):
+    grouplens = MovieLensSource(MovieLensConfig(path=str(write_grouplens(tmp_path / "ml-100k"))))
+    recbole = MovieLensSource(MovieLensConfig(path=str(write_recbole(tmp_path / "ml-tiny"))))
+    assert grouplens.vocabularies == recbole.vocabularies
+    assert grouplens.vocabularies["genres"] == {g: i + 1 for i, g in enumerate(sorted(GENRES))}
+    assert grouplens.vocabularies["release_year"] == {"1971": 1, "1988": 2, "1995": 3}  # item 4: unknown
+    assert grouplens.vocabulary_sizes() == recbole.vocabulary_sizes()
+    assert grouplens.num_train_samples() == recbole.num_train_samples() == 48
+    ours, theirs = batches(grouplens), batches(recbole)
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(a.sparse.lengths, b.sparse.lengths)
+    # Die Hard (item "5") is an Action Comedy in both
+    genres, item = grouplens.vocabularies["genres"], grouplens.vocabularies["item"]["5"]
+    bags = {int(i): sorted(g) for batch in ours
+            for i, g in zip(batch.sparse["item"].values, batch.sparse["genres"].to_list())}
+    assert bags[item] == sorted([genres["Action"], genres["Comedy"]])
+
+
+def test_grouplens_errors_name_file_and_line(tmp_path):
+    directory = write_grouplens(tmp_path / "ml-100k")
+    (directory / "u.genre").unlink()
+    with pytest.raises(FileNotFoundError, match="has u.data but no u.genre"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
+    (directory / "u.genre").write_text("".join(f"{g}|{i}\n" for i, g in enumerate(GENRES)))
+    text = (directory / "u.data").read_text().splitlines()
+    text[4] = "1\t2\t3"
+    (directory / "u.data").write_text("\n".join(text) + "\n")
+    with pytest.raises(ValueError, match=r"u.data:5: expected 4 whitespace-separated fields, found 3"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
+    text[4] = "1\t2\tfive\t881250949"
+    (directory / "u.data").write_text("\n".join(text) + "\n")
+    with pytest.raises(ValueError, match=r"u.data:5: column 'rating' holds 'five', expected a number"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
+
+
+def test_missing_directory_or_file_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="MovieLens directory not found: .*nowhere.*expected .*u.data"):
+        MovieLensSource(MovieLensConfig(path=str(tmp_path / "nowhere")))
+    partial = tmp_path / "ml-tiny"
+    partial.mkdir()
+    (partial / "ml-tiny.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1\t5\t10\n")
+    with pytest.raises(FileNotFoundError, match=r"has no \*\.user file"):
+        MovieLensSource(MovieLensConfig(path=str(partial)))
