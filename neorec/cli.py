@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "data.criteo.num_embeddings when training (default 100000)")
     prep.add_argument("--skip-malformed", action="store_true",
                       help="count and skip malformed lines instead of stopping")
+    for command in [*sub.choices.values(), *data_sub.choices.values()]:  # also after the command
+        command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
+                             help="show the full Python traceback on errors (for bug reports)")
     return parser
 
 
@@ -307,6 +310,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    from neorec.train.launch import Terminated, die_with_launcher
+
+    die_with_launcher()  # a rank started by `--nproc N`: never outlive the launcher
+    show_traceback = bool(args.traceback or os.environ.get("NEOREC_TRACEBACK"))
+    where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
     try:
         if args.command == "train":
             return cmd_train(args, argv)
@@ -317,15 +325,25 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
             return cmd_plan(args)
         return cmd_data(args, parser)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        if args.traceback or os.environ.get("NEOREC_TRACEBACK"):
+    except BrokenPipeError:
+        raise  # handled by main: the reader of our output went away
+    except (ValueError, TypeError, OSError) as exc:  # what the user can fix: bad input, files, folders
+        if show_traceback:
             raise
-        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
         print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"neorec {args.command}: interrupted", file=sys.stderr)
+        print(f"neorec {args.command}{where}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(f"neorec {args.command}: {exc} received; stopped every rank", file=sys.stderr)
+        return 128 + exc.signum
+    except Exception as exc:  # not foreseen (or a peer rank died): one line and how to see more
+        if show_traceback:
+            raise
+        print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {exc}\n"
+              f"(unexpected: `neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
+        return 1
 
 
 def _toml_string(text: str) -> str:

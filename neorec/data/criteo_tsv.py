@@ -262,6 +262,8 @@ def write_criteo_tsv(
     rates = missing_rate * rng.uniform(0.0, 2.0, NUM_COLUMNS - 1)
     rates[[0, 1, NUM_INTEGER]] = 0.0  # a few columns are never missing, as in the real data
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; give the .tsv file to write")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", newline="\n") as f:

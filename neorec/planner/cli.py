@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import List
 
 from neorec.planner.names import MODEL_PRESET_NAMES, OPTIMIZERS, PRECISIONS, TIERS
@@ -77,6 +78,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("plan: give --model PRESET or --tables FILE.json (or --calibrate); see --help")
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"plan: --nodes must be >= 1, got {args.nodes}")
+    for flag in ("out", "report", "chart"):  # before the search, not after it
+        target = getattr(args, flag)
+        if target and Path(target).is_dir():
+            raise ValueError(f"plan: --{flag} {target} is a directory; give a file name")
     if args.model:
         preset = get_model_preset(args.model)
         tables, settings, dense = preset.tables, preset.settings, preset.dense
@@ -135,8 +140,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result.plan.save(args.out)
         print(f"sharding plan: {args.out}")
     if args.report:
-        from pathlib import Path
-
         from neorec.files import write_atomic
 
         write_atomic(Path(args.report), json.dumps(report, indent=1) + "\n")

@@ -79,7 +79,10 @@ def verify_checkpoint(path: Path) -> dict:
     manifest = _read_manifest(path)
     for name in manifest["chain"]:
         directory = path.parent / name
-        part = manifest if name == path.name else _read_manifest(directory)
+        try:
+            part = manifest if name == path.name else _read_manifest(directory)
+        except ValueError as exc:
+            raise ValueError(f"its base checkpoint {name}: {exc}") from None
         for file, info in part["files"].items():
             target = directory / file
             if not target.is_file():
@@ -312,11 +315,12 @@ class Checkpointer:
             if self.tbe._rounder.stochastic:
                 same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
                     trainer.plan.to_dict() if trainer.plan is not None else None)
-                if same_layout:
-                    saved = load_tensors(path / f"rank{self.rank}.pt")
+                saved = load_tensors(path / f"rank{self.rank}.pt") if same_layout else {}
+                if "rng.rounding" in saved:
                     self.tbe._rounder.set_state(saved["rng.rounding"])
                 else:
-                    self._say("stochastic-rounding generators restart from their seed (another world size or plan)")
+                    self._say("stochastic-rounding generators restart from their seed (another world size or "
+                              "plan, or a checkpoint saved without stochastic rounding)")
             if self.cfg.incremental:
                 self.tbe.track_modified_rows()  # clears the marks: the restored rows are the checkpoint's
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
@@ -350,6 +354,10 @@ def _check_compatible(manifest: dict, trainer, path: Path) -> None:
     if manifest["sparse_optimizer"] != trainer.cfg.embedding.optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
                          f"the config {trainer.cfg.embedding.optimizer.kind!r}")
+    saved_dense = manifest.get("config", {}).get("dense_optimizer", {}).get("kind")
+    if saved_dense is not None and saved_dense != trainer.cfg.dense_optimizer.kind:
+        raise ValueError(f"resume from {path}: checkpoint has dense optimizer {saved_dense!r}, the config "
+                         f"{trainer.cfg.dense_optimizer.kind!r} (set dense_optimizer.kind = {saved_dense!r})")
 
 
 def _dense_state(trainer) -> Tuple[Dict[str, torch.Tensor], dict]:
@@ -372,6 +380,13 @@ def _dense_state(trainer) -> Tuple[Dict[str, torch.Tensor], dict]:
 def _load_dense_state(trainer, tensors: Dict[str, torch.Tensor], optimizer_json: dict) -> None:
     model = _unwrap(trainer.model)
     weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    current = model.state_dict()
+    differ = [f"{k} {list(v.shape)} in the checkpoint, {list(current[k].shape)} in the model"
+              for k, v in weights.items() if k in current and current[k].shape != v.shape]
+    if differ:
+        raise ValueError(f"checkpoint dense weights do not fit the model ({'; '.join(differ[:3])}"
+                         f"{'; ...' if len(differ) > 3 else ''}): model.dense_layers, model.over_layers, "
+                         "model.interaction or the data's dense features differ from the checkpoint's run")
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("sparse_arch.")]
     if missing or unexpected:

@@ -5,15 +5,21 @@
 Each rank is ``python -m neorec <same arguments>`` with torchrun's environment (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). When a rank exits with an
 error the others are stopped at once (they would otherwise wait in a collective until its timeout)
-and its exit code is returned; Ctrl-C stops them all. For several nodes use torchrun.
+and its exit code is returned. Ctrl-C, SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch
+scheduler or ``docker stop`` send) stop them all; on Linux a rank also receives SIGTERM when the
+launcher dies without a chance to clean up (SIGKILL), so no rank outlives it. For several nodes
+use torchrun.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import List, Optional, Sequence
 
@@ -47,17 +53,52 @@ def _stop(processes: List[subprocess.Popen]) -> None:
             p.wait()
 
 
+class Terminated(Exception):
+    """The launcher received SIGTERM or SIGHUP."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+LAUNCHER_ENV = "NEOREC_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """Called first thing by a rank that ``launch_local`` started (``LAUNCHER_ENV`` is set): on
+    Linux, have the kernel send this process SIGTERM when the launcher dies. Elsewhere a no-op."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
 def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int:
     """Run ``python -m <module> *argv`` as ``nproc`` ranks; 0 when all succeed, else the exit code
-    of the first rank that failed."""
+    of the first rank that failed. SIGTERM / SIGHUP stop every rank and raise ``Terminated``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     port = free_port()
     processes: List[subprocess.Popen] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         for rank in range(nproc):
-            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv],
-                                              env=rank_environment(rank, nproc, port)))
+            env = rank_environment(rank, nproc, port)
+            env[LAUNCHER_ENV] = str(os.getpid())
+            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
         while True:
             codes = [p.poll() for p in processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -70,8 +111,10 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(_POLL_SECONDS)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         _stop(processes)
         raise
     finally:
         _stop(processes)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -28,7 +28,7 @@ from neorec.config import Config, DenseOptimizerConfig
 from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
-from neorec.files import write_atomic
+from neorec.files import ensure_writable_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
@@ -170,6 +170,10 @@ class Trainer:
         self.distributed = distributed
         self.world_size = distributed.world_size if distributed else 1
         self.is_main = distributed is None or distributed.is_main
+        if cfg.train.output_dir and self.is_main:  # fail now, not after the first hour of training
+            ensure_writable_dir(cfg.train.output_dir, "train.output_dir")
+        if cfg.checkpoint.dir:
+            ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
         if cfg.train.reuse_freed_memory:
             reuse_freed_memory()  # process-wide, like the thread count below
         if cfg.train.num_threads:

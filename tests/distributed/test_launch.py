@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from neorec.train.launch import free_port, launch_local
 
@@ -53,6 +56,90 @@ def test_failing_rank_stops_the_others(monkeypatch):
     start = time.monotonic()
     assert launch_local(2, [], module="fail_rank") == 3
     assert time.monotonic() - start < 60
+
+
+def _children(pid: int) -> list:
+    """Live (not zombie) processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in "ZX":
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _kill_all(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start_launcher(code: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_no_rank_outlives_a_stopped_or_killed_launcher(signum):
+    launcher = _start_launcher("import sys\nfrom neorec.train.launch import Terminated, launch_local\n"
+                               "try:\n    launch_local(2, [], module='sleep_rank')\n"
+                               "except Terminated as exc:\n    print('terminated', exc); sys.exit(128 + exc.signum)")
+    ranks = []
+    try:
+        assert _wait_for(lambda: len(_children(launcher.pid)) == 2, 60)
+        ranks = _children(launcher.pid)
+        time.sleep(1.0)  # let the ranks reach die_with_launcher (a rank started later checks its parent)
+        os.kill(launcher.pid, signum)
+        out, _ = launcher.communicate(timeout=30)
+        if signum != signal.SIGKILL:
+            assert launcher.returncode == 128 + signum and "terminated" in out
+        assert _wait_for(lambda: not any(_alive(pid) for pid in ranks), 15), "a rank outlived its launcher"
+    finally:
+        _kill_all([launcher.pid, *ranks])
+        launcher.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+def test_neorec_train_ranks_die_with_a_killed_launcher(tmp_path):
+    """`kill -9` of `neorec train --nproc 2` (the launcher cannot clean up): its ranks stop too."""
+    launcher = subprocess.Popen([sys.executable, "-m", "neorec", "train", "--config", TINY, "--nproc", "2",
+                                 "--set", "train.epochs=1000", "--output-dir", str(tmp_path), *SMALL],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = []
+    try:
+        assert _wait_for(lambda: len(_children(launcher.pid)) == 2, 60)
+        ranks = _children(launcher.pid)
+        assert _wait_for(lambda: (tmp_path / "metrics.jsonl").exists(), 90)  # training has started
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        assert _wait_for(lambda: not any(_alive(pid) for pid in ranks), 15), "a rank outlived its launcher"
+    finally:
+        _kill_all([launcher.pid, *ranks])
+        launcher.wait()
 
 
 def test_two_torchrun_agents_as_two_nodes(tmp_path):

@@ -62,6 +62,27 @@ def test_help_lists_every_key_in_aligned_columns():
     assert len(type_columns) == 1, type_columns
 
 
+def test_unexpected_errors_are_one_line_and_traceback_shows_them(monkeypatch, capsys):
+    import neorec.cli as cli
+
+    def broken(args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "cmd_config", broken)
+    assert main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert "neorec config: error: RuntimeError: boom" in err and "--traceback" in err and "Traceback" not in err
+    for argv in (["--traceback", "config"], ["config", "--traceback"]):  # before or after the command
+        with pytest.raises(RuntimeError, match="boom"):
+            main(argv)
+
+
+def test_os_errors_are_one_line(tmp_path, capsys):
+    assert main(["data", "write-criteo", str(tmp_path)]) == 2
+    assert f"neorec data: error: {tmp_path} is a directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no temporary left behind
+
+
 def test_closed_stdout_is_no_traceback():
     """`neorec config | head -1`: the reader leaving is not an error worth a stack trace."""
     proc = subprocess.Popen([sys.executable, "-m", "neorec", "config"], stdout=subprocess.PIPE,

@@ -243,3 +243,52 @@ def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     fresh = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2), name="fresh")
     assert fresh.fit().samples == 2 * 128 and "resumed" not in fresh.out.getvalue()
+
+
+@pytest.mark.parametrize("change, message", [
+    ("model.dense_layers=[16, 4]", r"dense weights do not fit the model \(dense_arch.mlp.0.weight \[8, 4\] in the "
+                                   r"checkpoint, \[16, 4\] in the model"),
+    ("model.over_layers=[16, 8]", "dense weights do not fit the model"),
+    ("dense_optimizer.kind='sgd'", "checkpoint has dense optimizer 'adagrad', the config 'sgd'"),
+    ("embedding.optimizer.kind='sgd'", "checkpoint has sparse optimizer 'rowwise_adagrad', the config 'sgd'"),
+])
+def test_resume_into_a_different_model_is_refused_with_the_reason(tmp_path, change, message):
+    make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2)).fit()
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, "train.max_steps=4", change, resume=str(tmp_path / "ckpt"), name="resumed").fit()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_resume_an_fp32_checkpoint_into_half_precision_rows(tmp_path, precision):
+    trainer = make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3))
+    trainer.fit()
+    restored = make_trainer(tmp_path, "train.max_steps=3", f"embedding.storage.precision='{precision}'",
+                            resume=str(tmp_path / "ckpt"), name="restored")
+    restored.fit()  # nothing left to train: the rows are the checkpoint's, rounded to the storage type
+    assert restored.step == 3
+    assert "restart from their seed" in restored.out.getvalue()  # the fp32 run had no rounding generator
+    dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
+    for table in trainer.model.sparse_arch.tbe.tables:
+        saved = trainer.model.sparse_arch.tbe.get_table_weight(table.name)
+        back = restored.model.sparse_arch.tbe.get_table_weight(table.name)
+        assert torch.equal(back.float(), saved.to(dtype).float()), table.name
+
+
+def test_missing_base_of_an_increment_is_named(tmp_path):
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2, *extra)).fit()
+    root = tmp_path / "ckpt"
+    assert json.loads((root / "step-000000004" / "manifest.json").read_text())["kind"] == "incremental"
+    (root / "step-000000002" / "manifest.json").unlink()  # the full checkpoint the increment builds on
+    with pytest.raises(ValueError, match="its base checkpoint step-000000002: no manifest.json"):
+        verify_checkpoint(root / "step-000000004")
+
+
+@pytest.mark.parametrize("setting", ["train.output_dir", "checkpoint.dir"])
+def test_unwritable_output_is_refused_before_training(tmp_path, setting):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=f"{setting} '.*a_file/sub' is not a writable directory"):
+        make_trainer(tmp_path, f"{setting}='{blocker / 'sub'}'")
+    with pytest.raises(ValueError, match=f"{setting} '.*a_file' is a file, not a directory"):
+        make_trainer(tmp_path, f"{setting}='{blocker}'")

@@ -1,0 +1,45 @@
+"""Atomic writes and the writable-directory check of ``neorec/files.py``."""
+
+import os
+
+import pytest
+
+from neorec.files import ensure_writable_dir, write_atomic
+
+
+def test_write_atomic_replaces_and_creates_parents(tmp_path):
+    target = tmp_path / "a" / "b.json"
+    write_atomic(target, "one")
+    write_atomic(target, b"two")
+    assert target.read_bytes() == b"two"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["b.json"]
+
+
+def test_failed_write_atomic_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "plan.json"
+    target.write_text("old")
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_write_atomic_onto_a_directory_is_refused(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory; give a file name"):
+        write_atomic(tmp_path, "x")
+    assert list(tmp_path.parent.glob(f".{tmp_path.name}*")) == []
+
+
+def test_ensure_writable_dir(tmp_path):
+    made = ensure_writable_dir(tmp_path / "x" / "y", "train.output_dir")
+    assert made.is_dir() and list(made.iterdir()) == []  # the probe file is gone
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="checkpoint.dir '.*f' is a file, not a directory"):
+        ensure_writable_dir(tmp_path / "f", "checkpoint.dir")
+    with pytest.raises(ValueError, match="checkpoint.dir '.*f/sub' is not a writable directory"):
+        ensure_writable_dir(tmp_path / "f" / "sub", "checkpoint.dir")
