@@ -58,6 +58,15 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     return plan
 
 
+def _count(n: int) -> str:
+    """A parameter count for people: 30,400 / 12.5M / 3.42B."""
+    if n >= 1e9:
+        return f"{n / 1e9:,.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:,.1f}M"
+    return f"{n:,}"
+
+
 def _list(text: str) -> tuple:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
@@ -78,6 +87,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("plan: give --model PRESET or --tables FILE.json (or --calibrate); see --help")
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"plan: --nodes must be >= 1, got {args.nodes}")
+    if not args.time_limit >= 0:
+        raise ValueError(f"plan: --time-limit must be >= 0 seconds, got {args.time_limit}")
+    if args.scale_model and not args.scaling:
+        raise ValueError("plan: --scale-model only changes the --scaling study; add --scaling")
     for flag in ("out", "report", "chart"):  # before the search, not after it
         target = getattr(args, flag)
         if target and Path(target).is_dir():
@@ -104,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         changes["comm_bytes"] = args.comm_bytes
     settings = dataclasses.replace(settings, **changes)
     topo = get_topology(args.topology, args.nodes)
-    print(f"neorec plan: {len(tables)} tables ({sum(t.num_parameters for t in tables) / 1e9:,.2f}B parameters) on "
+    print(f"neorec plan: {len(tables)} tables ({_count(sum(t.num_parameters for t in tables))} parameters) on "
           f"{topo.name}: {topo.num_nodes} nodes x {topo.ranks_per_node} ranks, batch {settings.batch_size} per rank, "
           f"optimizer {settings.optimizer}, precisions {list(settings.precisions)}, tiers {list(settings.tiers)}",
           flush=True)

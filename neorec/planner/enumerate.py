@@ -103,6 +103,24 @@ def _layouts(table: TableSpec, topo: Topology, allowed: Tuple[str, ...]) -> List
     return out
 
 
+def _why_unusable(table: TableSpec, topo: Topology, sharding_type: str) -> str:
+    """Why ``_layouts`` gives ``table`` no layout of that type on ``topo`` (for error messages)."""
+    world, per_node, nodes = topo.world_size, int(topo.ranks_per_node), int(topo.num_nodes)
+    kind = ShardingType(sharding_type)
+    if kind in (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL) and world < 2:
+        return "needs 2 or more ranks"
+    if kind is ShardingType.ROW_WISE:
+        return f"needs at least one row per rank ({table.num_rows} rows, {world} ranks)"
+    if kind in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE) and (nodes < 2 or per_node < 2):
+        return "needs 2 or more nodes of 2 or more ranks"
+    if kind is ShardingType.TABLE_ROW_WISE:
+        return f"needs at least one row per rank of a node ({table.num_rows} rows, {per_node} ranks)"
+    if kind.splits_columns:
+        return (f"needs dim {table.dim} to split evenly into pieces at least {MIN_COLUMN_WIDTH} wide "
+                f"(and at most max_column_pieces of them)")
+    return "not usable"
+
+
 def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
                       capacity: Capacity | None = None) -> List[ShardOption]:
     """All options of ``table`` whose piece fits an empty rank; raises ``InfeasiblePlanError``
@@ -114,11 +132,13 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
     layouts = _layouts(table, topo, tuple(t for t in types if t in settings.sharding_types))
     layouts = [lay for lay in layouts if lay[1] <= settings.max_column_pieces or not lay[0].splits_columns]
     if not (layouts and tiers and precisions):
+        usable = list(dict.fromkeys(lay[0].value for lay in layouts))
+        reasons = "; ".join(f"{t} {_why_unusable(table, topo, t)}" for t in types if t not in usable)
         raise InfeasiblePlanError(
             f"table {table.name!r}: the constraints exclude every option (sharding types {list(types)} usable on "
-            f"{topo.world_size} ranks: {[lay[0].value for lay in layouts]}; tiers {list(tiers)}; precisions "
-            f"{list(precisions)}); allowed by the settings: {list(settings.sharding_types)}, {list(settings.tiers)}, "
-            f"{list(settings.precisions)}")
+            f"{topo.world_size} ranks: {usable}{' (' + reasons + ')' if reasons else ''}; tiers {list(tiers)}; "
+            f"precisions {list(precisions)}); allowed by the settings: {list(settings.sharding_types)}, "
+            f"{list(settings.tiers)}, {list(settings.precisions)}")
     options: List[ShardOption] = []
     tightest = (float("inf"), "")
     for tier in tiers:

@@ -321,6 +321,10 @@ class Trainer:
         total_steps = steps_per_epoch * cfg.epochs if cfg.epochs else cfg.max_steps
         if cfg.max_steps:
             total_steps = min(total_steps, cfg.max_steps)
+        if self.step and total_steps and self.is_main and self.step >= total_steps:
+            print(f"nothing left to train: resumed at step {self.step}, and the run ends at step {total_steps} "
+                  f"(train.max_steps {cfg.max_steps or 'unset'}, train.epochs {cfg.epochs}); evaluating only",
+                  file=self.out, flush=True)
         bar = tqdm(total=total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), file=self.out,
                    unit="step", dynamic_ncols=True, mininterval=0.5)
         samples, eval_seconds = 0, 0.0

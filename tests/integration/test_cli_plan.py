@@ -4,6 +4,7 @@
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,30 @@ def test_plan_table_file_errors_name_the_table(tmp_path, capsys):
     spec.write_text(json.dumps({"tables": [{"name": "x", "num_rows": 10, "dims": 8}]}))
     assert main(["plan", "--tables", str(spec)]) == 2
     assert "unknown keys ['dims']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--time-limit", "-1"], "--time-limit must be >= 0"),
+    (["--scale-model"], "--scale-model only changes the --scaling study"),
+    (["--out", "{tmp}"], "--out .* is a directory; give a file name"),
+])
+def test_plan_argument_mistakes_are_caught_before_the_search(tmp_path, capsys, monkeypatch, args, message):
+    import neorec.planner.planner as planner
+
+    def no_search(*a, **k):
+        raise AssertionError("searched before checking the arguments")
+
+    monkeypatch.setattr(planner, "plan_tables", no_search)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(["plan", "--model", "dlrm-criteo-kaggle", "--nodes", "1", *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_plan_counts_small_models_in_plain_numbers(tmp_path, capsys):
+    spec = tmp_path / "tables.json"
+    spec.write_text(json.dumps({"tables": [{"name": "a", "num_rows": 950, "dim": 32}]}))
+    assert main(["plan", "--tables", str(spec), "--topology", "zionex", "--nodes", "1", "--time-limit", "0"]) == 0
+    assert "1 tables (30,400 parameters)" in capsys.readouterr().out
 
 
 def test_plan_for_training_plans_the_config_tables(monkeypatch, tmp_path):

@@ -113,8 +113,13 @@ def test_infeasible_input_names_the_table_and_the_limit():
     settings = PlanSettings(batch_size=8)
     with pytest.raises(InfeasiblePlanError, match=r"table 'huge'.*tightest limit: .*device memory.*GiB"):
         plan_tables([TableSpec("ok", 100, 8), TableSpec("huge", 10_000_000, 64)], topo, settings)
-    with pytest.raises(InfeasiblePlanError, match=r"table 'picky': the constraints exclude every option"):
+    with pytest.raises(InfeasiblePlanError, match=r"table 'picky': the constraints exclude every option.*"
+                                                  r"usable on 1 ranks: \[\] \(row_wise needs 2 or more ranks\)"):
         plan_tables([TableSpec("picky", 100, 8, sharding_types=("row_wise",))], toy_topology(1, 1), settings)
+    with pytest.raises(InfeasiblePlanError, match=r"usable on 8 ranks: \[\] \(row_wise needs at least one row per "
+                                                  r"rank \(3 rows, 8 ranks\); column_wise needs dim 1 to split"):
+        plan_tables([TableSpec("tiny", 3, 1, sharding_types=("row_wise", "column_wise"))], toy_topology(1, 8),
+                    settings)
     # each fits alone, not all together: the message names the table that found no room
     many = [TableSpec(f"m{i}", 300_000, 8) for i in range(4)]   # 9.6 MB each, 2 ranks x 8.5 MB
     with pytest.raises(InfeasiblePlanError, match=r"table 'm\d'.*tightest limit"):

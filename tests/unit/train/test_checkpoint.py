@@ -266,6 +266,7 @@ def test_resume_an_fp32_checkpoint_into_half_precision_rows(tmp_path, precision)
                             resume=str(tmp_path / "ckpt"), name="restored")
     restored.fit()  # nothing left to train: the rows are the checkpoint's, rounded to the storage type
     assert restored.step == 3
+    assert "nothing left to train: resumed at step 3, and the run ends at step 3" in restored.out.getvalue()
     assert "restart from their seed" in restored.out.getvalue()  # the fp32 run had no rounding generator
     dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
     for table in trainer.model.sparse_arch.tbe.tables:
