@@ -287,6 +287,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     values: Dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {str(p)!r} is a directory; give a .toml file (e.g. configs/tiny.toml)")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found")
         try:

@@ -37,6 +37,8 @@ def read_json_file(path: str | os.PathLike, what: str) -> Any:
     """The parsed JSON of ``path``; ValueError naming ``what`` and the file if it is missing or
     not valid JSON."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a directory; give a .json file")
     if not p.is_file():
         raise ValueError(f"{what} {str(p)!r} not found")
     try:

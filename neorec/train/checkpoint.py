@@ -294,9 +294,13 @@ class Checkpointer:
         samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
         global_batch = trainer.cfg.data.batch_size * self.world_size
         if samples_in_epoch % global_batch:
+            fits = [b for b in range(1, 2 * trainer.cfg.data.batch_size + 1)
+                    if samples_in_epoch % (b * self.world_size) == 0]
+            hint = (f"; e.g. data.batch_size={min(fits, key=lambda b: abs(b - trainer.cfg.data.batch_size))} on "
+                    f"{self.world_size} rank(s) continues it") if fits else ""
             raise ValueError(f"resume from {path}: {samples_in_epoch} samples of epoch {manifest['epoch']} were "
                              f"trained with global batches of {manifest['global_batch_size']}; that is not a whole "
-                             f"number of the new global batches of {global_batch} (data.batch_size x ranks)")
+                             f"number of the new global batches of {global_batch} (data.batch_size x ranks){hint}")
         chain = []
         cache: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
         for name in manifest["chain"]:

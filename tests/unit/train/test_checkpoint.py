@@ -293,3 +293,23 @@ def test_unwritable_output_is_refused_before_training(tmp_path, setting):
         make_trainer(tmp_path, f"{setting}='{blocker / 'sub'}'")
     with pytest.raises(ValueError, match=f"{setting} '.*a_file' is a file, not a directory"):
         make_trainer(tmp_path, f"{setting}='{blocker}'")
+
+
+def test_resume_with_a_global_batch_that_does_not_divide_the_epoch_suggests_one(tmp_path):
+    make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()  # 3 x 128 samples done
+    with pytest.raises(ValueError, match=r"384 samples of epoch 0 .* global batches of 256 .*; e.g. "
+                                         r"data.batch_size=192 on 1 rank\(s\) continues it"):
+        make_trainer(tmp_path, "data.batch_size=256", resume=str(tmp_path / "ckpt"), name="r256").fit()
+    resumed = make_trainer(tmp_path, "data.batch_size=192", "train.max_steps=4", resume=str(tmp_path / "ckpt"),
+                           name="r192")
+    assert resumed.fit().samples == 192 and resumed.step == 4
+
+
+def test_config_or_plan_given_a_directory_says_so(tmp_path):
+    from neorec.config import load_config
+    from neorec.files import read_json_file
+
+    with pytest.raises(ValueError, match="is a directory; give a .toml file"):
+        load_config(tmp_path)
+    with pytest.raises(ValueError, match="sharding plan '.*' is a directory; give a .json file"):
+        read_json_file(tmp_path, "sharding plan")
