@@ -427,7 +427,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="also write every figure, the command and the versions to this JSON file")
     args = p.parse_args(argv)
     table = QUICK if args.quick else CONFIGS
-    unknown = [n for n in args.configs.split(",") if n not in table]
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in table]
     if unknown:
         p.error(f"unknown config(s) {unknown}; choose from {sorted(table)}")
     try:
@@ -440,7 +441,7 @@ def main(argv=None) -> int:
     print(f"{'config':8} {'ranks':>5} {'neorec samples/s':>17} {'torchrec samples/s':>19} {'neorec ms':>10} "
           f"{'torchrec ms':>12} {'ratio':>6} {'pair ratio':>11}   loss first->last tenth (neorec | torchrec)",
           flush=True)
-    for name in args.configs.split(","):
+    for name in names:
         for world in worlds:
             r = run_cell(table[name], world, args)
             results.append(r)

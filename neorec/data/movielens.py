@@ -118,8 +118,8 @@ def read_grouplens(directory: Path) -> Dict[str, Columns]:
     genres = [name for name, _ in sorted(genre_rows, key=lambda row: int(row[1]))]
     inter_rows = _grouplens_rows(directory / GROUPLENS["inter"], "", 4)
     user_rows = _grouplens_rows(directory / GROUPLENS["user"], "|", 5)
-    item_rows = _grouplens_rows(directory / GROUPLENS["item"], "|", 5 + len(genres))
     item_path = directory / GROUPLENS["item"]
+    item_rows = _grouplens_rows(item_path, "|", 5 + len(genres))
     for row in item_rows:
         if any(flag not in ("0", "1") for flag in row[5:]):
             raise ValueError(f"{item_path}: item {row[0]}: genre flags must be 0 or 1, found {row[5:]}")

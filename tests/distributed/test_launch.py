@@ -58,25 +58,22 @@ def test_failing_rank_stops_the_others(monkeypatch):
     assert time.monotonic() - start < 60
 
 
-def _children(pid: int) -> list:
-    """Live (not zombie) processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in "ZX":
-                found.append(int(entry.name))
-    return found
+def _parent_if_alive(pid: int):
+    """The parent pid of ``pid`` while it runs (not a zombie), else None."""
+    try:
+        state, parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except OSError:
+        return None
+    return None if state in "ZX" else int(parent)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
+    return _parent_if_alive(pid) is not None
+
+
+def _children(pid: int) -> list:
+    """Live (not zombie) processes whose parent is ``pid``."""
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _parent_if_alive(int(e.name)) == pid]
 
 
 def _wait_for(condition, seconds: float) -> bool:
