@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "or 'auto' to run the cost-model planner for the live world (default: a balanced "
                        "table-wise / row-wise plan)")
     train.add_argument("--resume", metavar="DIR",
-                       help="continue from the newest complete checkpoint in DIR (a checkpoint.dir, or one "
-                       "step-N directory in it), data position included; any world size or plan. Save "
+                       help="continue from a checkpoint, data position included, on any world size or plan: "
+                       "DIR is a checkpoint.dir (its newest complete checkpoint) or one step-N directory in "
+                       "it (that checkpoint, refused if incomplete or corrupt). Save "
                        "checkpoints with --set checkpoint.dir='\"DIR\"' --set checkpoint.every_steps=N")
 
     config = sub.add_parser(

@@ -13,7 +13,8 @@ One checkpoint = ``<dir>/step-<N>/``:
     manifest.json (rank 0, written LAST, atomically) step, data position, tables, plan, config,
                   pieces per file, sha256 and size of every file, the chain of checkpoints to apply
 A checkpoint is complete when its manifest, every file of it and every checkpoint of its chain
-verify. Restoring takes the newest complete one; a newer torn or corrupt one is reported and skipped.
+verify. Restoring from a root takes the newest complete one (a newer torn or corrupt one is
+reported and skipped); restoring from one named ``step-<N>`` takes that one or stops.
 
 Incremental (``checkpoint.incremental``): the fused modules mark the rows every optimizer step
 updates; an incremental checkpoint writes only the rows marked since the previous checkpoint
@@ -277,18 +278,27 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ restore
     def restore(self, location: Path) -> Position:
-        """Load the newest complete checkpoint at ``location`` (a root, or one checkpoint: the
-        newest complete one up to it is used) into the trainer; returns its position."""
+        """Load a checkpoint into the trainer and return its position: the newest complete one under
+        ``location`` (a root; newer torn or corrupt ones are reported and skipped), or ``location``
+        itself when it names one checkpoint (an error if that one is incomplete or corrupt)."""
         location = Path(location)
         if not location.exists():
             raise ValueError(f"--resume: {location} does not exist")
-        max_step = _step_of(location) if (location / MANIFEST).exists() or _step_of(location) is not None else None
-        root = location.parent if max_step is not None else location
-        found = find_latest_complete(root, out=self.trainer.out if self.rank == 0 else io.StringIO(),
-                                     max_step=max_step)
-        if found is None:
-            raise ValueError(f"--resume: no complete checkpoint in {root}")
-        path, manifest = found
+        named = _step_of(location) is not None or (location / MANIFEST).exists()  # one checkpoint, not a root
+        if named:  # the user chose this step: use it or stop, never an older one in its place
+            try:
+                path, manifest = location, verify_checkpoint(location)
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                step = _step_of(location)
+                older = (find_latest_complete(location.parent, out=io.StringIO(), max_step=step - 1)
+                         if step is not None else None)
+                hint = f"; the newest complete one before it is {older[0]} (--resume {older[0]})" if older else ""
+                raise ValueError(f"--resume: {location} is incomplete or corrupt ({exc}){hint}") from None
+        else:
+            found = find_latest_complete(location, out=self.trainer.out if self.rank == 0 else io.StringIO())
+            if found is None:
+                raise ValueError(f"--resume: no complete checkpoint in {location}")
+            path, manifest = found
         trainer = self.trainer
         _check_compatible(manifest, trainer, path)
         samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]

@@ -176,7 +176,16 @@ def test_corrupt_checkpoints_are_detected_and_skipped(tmp_path):
     assert path.name == "step-000000003" and manifest["step"] == 3
     assert "step-000000009 is incomplete or corrupt" in log.getvalue()
     assert "step-000000006 is incomplete or corrupt" in log.getvalue()
+    # a checkpoint named by the user is used or refused, never replaced by an older one
+    with pytest.raises(ValueError, match=r"step-000000009 is incomplete or corrupt \(.*sha256.*\); the newest "
+                       r"complete one before it is .*step-000000003 \(--resume .*step-000000003\)"):
+        make_trainer(tmp_path, resume=str(newest), name="named").fit()
+    named = make_trainer(tmp_path, "train.max_steps=4", resume=str(root / "step-000000003"), name="named3")
+    named.fit()
+    assert named.step == 4
     (root / "step-000000003" / "manifest.json").unlink()  # torn: never completed
+    with pytest.raises(ValueError, match=r"step-000000006 is incomplete or corrupt \(.*truncated.*\)$"):
+        make_trainer(tmp_path, resume=str(middle), name="named6").fit()
     assert find_latest_complete(root, out=io.StringIO()) is None
     with pytest.raises(ValueError, match="no complete checkpoint"):
         make_trainer(tmp_path, resume=str(root), name="resumed").fit()
