@@ -27,7 +27,6 @@ cost is as small as possible, under each rank's memory limits.
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -80,6 +79,11 @@ def lower_bound(options: Dict[str, List[ShardOption]], world_size: int) -> float
 
 
 class _State:
+    """Per-rank load (seconds) and memory per tier. ``place`` walks the ranks in load order (or
+    fill order), cached until the next ``apply``: the first ranks with room are the answer, so a
+    placement costs a few ``fits`` checks instead of one per rank (thousands of ranks, ~1000
+    tables, several options each)."""
+
     def __init__(self, topo: Topology, capacity: Capacity):
         self.world, self.per_node = topo.world_size, int(topo.ranks_per_node)
         self.cap = capacity
@@ -87,11 +91,19 @@ class _State:
         self.device = [0.0] * self.world
         self.host = [0.0] * self.world
         self.ssd = [0.0] * self.world
+        self._orders: Dict[bool, List[int]] = {}  # by_memory -> ranks, least loaded (least full) first
+        self._fills: List[float] = []  # fill of every rank, with the by_memory order
 
     def fits(self, rank: int, option: ShardOption) -> bool:
         m, c = option.memory, self.cap
         return (self.device[rank] + m.device <= c.device * (1 + 1e-9) and self.host[rank] + m.host <= c.host * (1 + 1e-9)
                 and self.ssd[rank] + m.ssd <= c.ssd * (1 + 1e-9))
+
+    def fits_all(self, option: ShardOption) -> bool:
+        """``fits`` on every rank: the fullest rank of each tier decides (adding is monotone)."""
+        m, c = option.memory, self.cap
+        return (max(self.device) + m.device <= c.device * (1 + 1e-9) and max(self.host) + m.host <= c.host * (1 + 1e-9)
+                and max(self.ssd) + m.ssd <= c.ssd * (1 + 1e-9))
 
     def apply(self, placement: Placement, sign: float) -> None:
         o = placement.option
@@ -100,32 +112,57 @@ class _State:
             self.device[r] += sign * o.memory.device
             self.host[r] += sign * o.memory.host
             self.ssd[r] += sign * o.memory.ssd
+        self._orders.clear()
 
     def fill(self, rank: int) -> float:
         c = self.cap
         return max(self.device[rank] / c.device if c.device else 0.0, self.host[rank] / c.host if c.host else 0.0,
                    self.ssd[rank] / c.ssd if c.ssd else 0.0)
 
+    def _order(self, by_memory: bool) -> List[int]:
+        """Ranks by (load, rank), or by (fill, load, rank) with ``by_memory`` (sorts are stable)."""
+        order = self._orders.get(by_memory)
+        if order is None:
+            if by_memory:
+                fills, load = [self.fill(r) for r in range(self.world)], self.load
+                order = sorted(range(self.world), key=lambda r: (fills[r], load[r]))
+                self._fills = fills
+            else:
+                order = sorted(range(self.world), key=self.load.__getitem__)
+            self._orders[by_memory] = order
+        return order
+
     def place(self, option: ShardOption, by_memory: bool = False) -> Optional[Tuple[int, ...]]:
         """The ranks this option would use now (None if it does not fit): the least loaded, or
-        with ``by_memory`` the least full."""
+        with ``by_memory`` the least full; for a "node" option those of the node whose chosen
+        ranks peak lowest (the first such node)."""
         k = option.num_pieces
-        key = (lambda r: (self.fill(r), self.load[r], r)) if by_memory else (lambda r: (self.load[r], r))
         if option.placement == "all":
-            return tuple(range(self.world)) if all(self.fits(r, option) for r in range(self.world)) else None
+            return tuple(range(self.world)) if self.fits_all(option) else None
+        order = self._order(by_memory)
         if option.placement == "any":
-            room = [r for r in range(self.world) if self.fits(r, option)]
-            if len(room) < k:
-                return None
-            return tuple(sorted(heapq.nsmallest(k, room, key=key)))
+            chosen = []
+            for r in order:
+                if self.fits(r, option):
+                    chosen.append(r)
+                    if len(chosen) == k:
+                        return tuple(sorted(chosen))
+            return None
+        per_node: List[List[int]] = [[] for _ in range(self.world // self.per_node)]
+        device, host, ssd, size = self.device, self.host, self.ssd, self.per_node
+        m, c = option.memory, self.cap  # ``fits`` inlined: this loop runs over every rank
+        cap_device, cap_host, cap_ssd = c.device * (1 + 1e-9), c.host * (1 + 1e-9), c.ssd * (1 + 1e-9)
+        for r in order:  # every node's k least loaded (least full) ranks with room, in key order
+            ranks = per_node[r // size]
+            if (len(ranks) < k and device[r] + m.device <= cap_device and host[r] + m.host <= cap_host
+                    and ssd[r] + m.ssd <= cap_ssd):
+                ranks.append(r)
+        key = self._fills if by_memory else self.load
         best: Optional[Tuple[float, Tuple[int, ...]]] = None
-        for node in range(self.world // self.per_node):
-            ranks = range(node * self.per_node, (node + 1) * self.per_node)
-            room = [r for r in ranks if self.fits(r, option)]
-            if len(room) < k:
+        for chosen in per_node:
+            if len(chosen) < k:
                 continue
-            chosen = heapq.nsmallest(k, room, key=key)
-            peak = max(self.fill(r) if by_memory else self.load[r] for r in chosen)
+            peak = key[chosen[-1]]  # the largest of the chosen: they came in key order
             if best is None or peak < best[0] - EPS:
                 best = (peak, tuple(sorted(chosen)))
         return None if best is None else best[1]
