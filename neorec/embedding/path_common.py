@@ -27,6 +27,9 @@ def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], dev
     return features
 
 
+_SAVED = object()  # marks an input kept by save_for_backward
+
+
 class PathLookup(torch.autograd.Function):
     """Forward: ``path.pool(*inputs)``; backward: ``path.backward(*inputs, grad_output)`` (the fused
     gradient + optimizer step on the module's buffers). ``anchor`` is a scalar leaf that requires
@@ -34,10 +37,16 @@ class PathLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, path, *inputs):  # type: ignore[override]
-        ctx.path, ctx.inputs = path, inputs
+        # tensors through save_for_backward: ids changed in place before backward raise autograd's
+        # "modified by an inplace operation" instead of updating other rows than were looked up
+        tensors = [i for i in inputs if isinstance(i, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.path, ctx.inputs = path, [_SAVED if isinstance(i, torch.Tensor) else i for i in inputs]
         return path.pool(*inputs)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        ctx.path.backward(*ctx.inputs, grad_output)
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if i is _SAVED else i for i in ctx.inputs]
+        ctx.path.backward(*inputs, grad_output)
         return (None, None) + (None,) * len(ctx.inputs)

@@ -166,19 +166,27 @@ def test_empty_huge_gives_a_plain_tensor_on_advised_pages():
         assert advise_huge_pages(torch.empty(MIN_BYTES // 4))
 
 
-def test_native_backward_rechecks_ids_changed_after_the_forward():
-    """The backward trusts nothing: ids mutated in place between forward and backward are an error,
-    not an out-of-bounds write."""
+def test_native_backward_refuses_ids_changed_after_the_forward():
+    """Ids changed in place between forward and backward are an error, never an update of other
+    rows than were looked up: autograd's version check, and behind it (a change through ``.data``
+    bumps no version) the backward's own check of the ids against the tables."""
     tables = make_tables("sum")
     module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="native")
+    keys, lengths = ["f_a1", "f_a2", "f_b", "f_c", "f_d"], torch.tensor([1, 1, 1, 1, 1])
+    before = {t.name: module.get_table_weight(t.name) for t in tables}
     values = torch.tensor([1, 2, 3, 4, 4])
-    kjt = KeyedJaggedTensor(["f_a1", "f_a2", "f_b", "f_c", "f_d"], values, torch.tensor([1, 1, 1, 1, 1]))
-    out = module(kjt).values
-    values[4] = 10**9  # the KJT's values tensor, changed in place after the forward
-    before = module.get_table_weight("t8b")
+    out = module(KeyedJaggedTensor(keys, values, lengths)).values
+    values[4] = 7  # still a row of the table: only the version check can tell
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    for name, weight in before.items():  # refused before any update
+        assert torch.equal(module.get_table_weight(name), weight), name
+    values = torch.tensor([1, 2, 3, 4, 4])
+    out = module(KeyedJaggedTensor(keys, values, lengths)).values
+    values.data[4] = 10**9  # behind autograd's back, outside the table
     with pytest.raises(ValueError, match="changed between forward and backward"):
         out.sum().backward()
-    assert torch.equal(module.get_table_weight("t8b"), before)
+    assert torch.equal(module.get_table_weight("t8b"), before["t8b"])  # no write outside (or into) that table
 
 
 def test_a_compiler_without_openmp_gets_a_single_threaded_build(monkeypatch, tmp_path):
