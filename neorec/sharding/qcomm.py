@@ -27,7 +27,9 @@ decoding, in fp32 (all-to-all, then local sum). Ids (input all-to-all) and repli
 are never quantized.
 
 Bytes on the wire: ``CommStats`` counts the encoded bytes sent to other ranks, so fp16 and bf16
-show about half of fp32 (plus 4 bytes per block for fp16) and int8 (dim + 8) / (4 dim).
+show about half of fp32 (plus 4 bytes per block for fp16) and int8 (dim + 8) / (4 dim). Every
+block is padded to a multiple of 4 bytes (at most 3 bytes per block), so that the next one starts
+aligned for its fp32 scale or header whatever the rows and widths.
 Codecs are deterministic: the same inputs give the same bits.
 """
 
@@ -161,28 +163,42 @@ def make_codec(name: str) -> Codec:
     return codecs[name]()
 
 
+def block_bytes(codec: Codec, rows: int, dim: int) -> int:
+    """Bytes a block takes in a payload: the codec's, padded to a multiple of 4 so that every
+    block starts 4-byte aligned (its fp32 scale or header is read in place)."""
+    return (codec.num_bytes(rows, dim) + 3) & ~3
+
+
 def encode_blocks(codec: Codec, flat: torch.Tensor, shapes: Sequence[Shape]) -> Tuple[torch.Tensor, List[int]]:
-    """1-D fp32 ``flat`` cut into blocks of ``shapes`` -> (uint8 payload, bytes per block)."""
+    """1-D fp32 ``flat`` cut into blocks of ``shapes`` -> (uint8 payload, bytes per block, padded)."""
     sizes = [rows * dim for rows, dim in shapes]
     if flat.numel() != sum(sizes):
         raise ValueError(f"encode_blocks: {flat.numel()} values for blocks {list(shapes)}")
-    parts = [codec.encode(block.view(rows, dim)) for block, (rows, dim) in zip(flat.split(sizes), shapes)]
-    splits = [p.numel() for p in parts]
+    parts: List[torch.Tensor] = []
+    splits = []
+    for block, (rows, dim) in zip(flat.split(sizes), shapes):
+        part = codec.encode(block.view(rows, dim))
+        parts.append(part)
+        splits.append(block_bytes(codec, rows, dim))
+        if splits[-1] > part.numel():
+            parts.append(torch.zeros(splits[-1] - part.numel(), dtype=torch.uint8, device=flat.device))
     payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=flat.device)
     return payload, splits
 
 
 def decode_blocks(codec: Codec, payload: torch.Tensor, shapes: Sequence[Shape]) -> torch.Tensor:
-    """uint8 payload of blocks ``shapes`` -> 1-D fp32 of sum(rows * dim) values."""
-    splits = [codec.num_bytes(rows, dim) for rows, dim in shapes]
-    blocks = [codec.decode(part, rows, dim).reshape(-1) for part, (rows, dim) in zip(payload.split(splits), shapes)]
+    """uint8 payload of blocks ``shapes`` (as ``encode_blocks`` lays them out) -> 1-D fp32 of
+    sum(rows * dim) values."""
+    splits = [block_bytes(codec, rows, dim) for rows, dim in shapes]
+    blocks = [codec.decode(part[: codec.num_bytes(rows, dim)], rows, dim).reshape(-1)
+              for part, (rows, dim) in zip(payload.split(splits), shapes)]
     return torch.cat(blocks) if blocks else torch.zeros(0, device=payload.device)
 
 
 def _exchange(codec: Codec, flat: torch.Tensor, send_shapes: Sequence[Shape], recv_shapes: Sequence[Shape],
               group: Optional[dist.ProcessGroup], stats: Optional[CommStats], name: str, async_op: bool):
     payload, send_bytes = encode_blocks(codec, flat, send_shapes)
-    recv_bytes = [codec.num_bytes(rows, dim) for rows, dim in recv_shapes]
+    recv_bytes = [block_bytes(codec, rows, dim) for rows, dim in recv_shapes]
     received = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=flat.device)
     if stats is not None:
         rank = dist.get_rank(group)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from neorec.config import load_config
-from neorec.sharding.qcomm import CODECS, CommConfig, decode_blocks, encode_blocks, make_codec
+from neorec.sharding.qcomm import CODECS, CommConfig, block_bytes, decode_blocks, encode_blocks, make_codec
 
 
 def blocks(seed: int = 0):
@@ -75,10 +75,12 @@ def test_int8_constant_and_zero_rows_are_exact():
 @pytest.mark.parametrize("name", CODECS)
 def test_blocks_round_trip_with_empty_blocks_and_sizes(name):
     codec = make_codec(name)
-    shapes = [(3, 4), (0, 4), (5, 0), (2, 7)]
+    shapes = [(3, 5), (0, 4), (5, 0), (1, 3), (2, 7)]  # odd sizes: fp16 / int8 blocks of 34 and 39 bytes
     flat = torch.randn(sum(r * d for r, d in shapes))
     payload, splits = encode_blocks(codec, flat, shapes)
-    assert splits == [codec.num_bytes(r, d) for r, d in shapes] and payload.numel() == sum(splits)
+    assert splits == [block_bytes(codec, r, d) for r, d in shapes] and payload.numel() == sum(splits)
+    assert all(n % 4 == 0 and codec.num_bytes(r, d) <= n < codec.num_bytes(r, d) + 4
+               for n, (r, d) in zip(splits, shapes))  # padded so that every block starts aligned
     assert splits[1] == splits[2] == 0
     decoded = decode_blocks(codec, payload, shapes)
     assert decoded.shape == flat.shape
