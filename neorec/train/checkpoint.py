@@ -142,6 +142,7 @@ class Checkpointer:
         self.increment_bytes = 0.0
         self.last_saved_step: Optional[int] = None
         self.position = Position()
+        self.resumed_from: Optional[Path] = None  # the checkpoint restored, if any
         self.bytes_written: List[dict] = []  # one record per save (kind, bytes) for benchmarks
 
     def _say(self, text: str) -> None:
@@ -163,12 +164,41 @@ class Checkpointer:
             else:
                 self._say(f"restarted by torchrun, but {self.root} holds no complete checkpoint: starting fresh")
         if resume is None:
+            self._refuse_other_runs(None)
             return Position()
         position = self.restore(Path(resume))
+        self._refuse_other_runs(position.step)
         if position.batch_in_epoch >= steps_per_epoch:
             position = Position(position.step, position.epoch + 1, 0)
         self.position = position
         return position
+
+    def _refuse_other_runs(self, resumed_step: Optional[int]) -> None:
+        """Stop before training when ``checkpoint.dir`` holds complete checkpoints of another run:
+        any, for a fresh run or one resumed from elsewhere; those after the resumed step, for a run
+        resumed from ``checkpoint.dir`` itself (the rewound run's future). Saving beside them would
+        let ``keep_last`` prune the wrong ones and a later ``--resume`` mix the two runs. Torn or
+        corrupt ones do not count: resuming skips them and this run overwrites them."""
+        root = self.root
+        if root is None or not root.is_dir() or not (self.cfg.every_steps or self.cfg.save_final):
+            return
+        resumed_here = resumed_step is not None and self.resumed_from is not None and (
+            self.resumed_from.parent.resolve() == root.resolve())
+        after = resumed_step if resumed_here else -1
+        candidates = sorted((p for p in root.iterdir() if p.is_dir() and (_step_of(p) or -1) > after
+                             and (p / MANIFEST).exists()), key=_step_of, reverse=True)
+        for path in candidates:
+            try:
+                verify_checkpoint(path)
+            except (ValueError, KeyError, TypeError, OSError):
+                continue
+            names = ", ".join(p.name for p in candidates[:3]) + (", ..." if len(candidates) > 3 else "")
+            what = (f"checkpoints after step {resumed_step}, the one resumed from ({names}): the future of the "
+                    f"run being rewound" if resumed_here else f"checkpoints of another run ({names})")
+            raise ValueError(f"checkpoint.dir {root} already holds {what}. Saving beside them would let keep_last "
+                             f"prune the wrong ones and a later --resume mix the two runs: set checkpoint.dir to "
+                             f"another directory or move them away"
+                             + ("" if resumed_here else f" (or continue that run with --resume {root})"))
 
     def after_step(self, epoch: int, batch_in_epoch: int) -> None:
         """Called after every training step; saves every ``every_steps`` steps."""
@@ -260,10 +290,12 @@ class Checkpointer:
 
     def _prune(self, step: int) -> None:
         """Rank 0: drop complete checkpoints beyond ``keep_last`` (not the ones a kept chain
-        needs) and incomplete ones older than ``step``."""
+        needs) and incomplete ones older than ``step``. Checkpoints after ``step`` are not this
+        run's (``start`` refused complete ones; torn or corrupt ones wait to be overwritten):
+        they are neither counted nor removed."""
         complete, keep = [], set()
         for path in self.root.iterdir():
-            if path.is_dir() and _step_of(path) is not None:
+            if path.is_dir() and _step_of(path) is not None and _step_of(path) <= step:
                 try:
                     complete.append((_step_of(path), path, _read_manifest(path)))
                 except ValueError:
@@ -339,6 +371,7 @@ class Checkpointer:
                 self.tbe.track_modified_rows()  # clears the marks: the restored rows are the checkpoint's
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
         trainer.step = int(manifest["step"])
+        self.resumed_from = path
         same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
         self.chain = list(manifest["chain"]) if same_root else []  # increments continue this chain
         self.increment_bytes = float(sum(_read_manifest(path.parent / name)["bytes"]["embeddings"]

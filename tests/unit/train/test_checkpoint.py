@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -246,12 +247,20 @@ def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
     restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="restarted")
     assert restarted.fit().samples == 2 * 128 and restarted.step == 6
     assert "resumed from" in restarted.out.getvalue()
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    # not resuming (auto_resume off, or not a restart): a fresh run, refused beside the first run's checkpoints
     off = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.auto_resume=false"),
                        name="off")
-    assert off.fit().samples == 2 * 128  # starts fresh
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        off.fit()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     fresh = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2), name="fresh")
-    assert fresh.fit().samples == 2 * 128 and "resumed" not in fresh.out.getvalue()
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        fresh.fit()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved and "resumed" not in fresh.out.getvalue()
+    alone = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.dir='" +
+                                                                           str(tmp_path / "other") + "'"), name="alone")
+    assert alone.fit().samples == 2 * 128 and "resumed" not in alone.out.getvalue()  # fresh, in its own directory
 
 
 @pytest.mark.parametrize("change, message", [
@@ -322,3 +331,28 @@ def test_config_or_plan_given_a_directory_says_so(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ValueError, match="sharding plan '.*' is a directory; give a .json file"):
         read_json_file(tmp_path, "sharding plan")
+
+
+def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
+    """Resuming from an older checkpoint into the same checkpoint.dir: its newer complete
+    checkpoints (the abandoned future) stop the run before training, untouched; a torn or corrupt
+    newer one does not (resume skips it) and is neither counted by keep_last nor removed."""
+    root = tmp_path / "ckpt"
+    make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 2, "checkpoint.keep_last=3")).fit()
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000004", "step-000000006", "step-000000008"]
+    rewound = make_trainer(tmp_path, "train.max_steps=7", *checkpoint_args(tmp_path, 1, "checkpoint.keep_last=1"),
+                           resume=str(root / "step-000000004"), name="rewound")
+    with pytest.raises(ValueError, match=r"checkpoints after step 4, the one resumed from \(step-000000008, "
+                                         r"step-000000006\): the future of the run being rewound"):
+        rewound.fit()
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000004", "step-000000006", "step-000000008"]
+    shutil.move(str(root / "step-000000008"), str(tmp_path / "kept-8"))
+    data = bytearray((root / "step-000000006" / "rank0.pt").read_bytes())
+    data[len(data) // 2] ^= 0x10  # corrupt: resuming from the directory skips it
+    (root / "step-000000006" / "rank0.pt").write_bytes(bytes(data))
+    rewound = make_trainer(tmp_path, "train.max_steps=5", *checkpoint_args(tmp_path, 1, "checkpoint.keep_last=1"),
+                           resume=str(root), name="rewound2")
+    rewound.fit()
+    assert rewound.step == 5 and "step-000000006 is incomplete or corrupt" in rewound.out.getvalue()
+    # keep_last=1 among this run's own: step 4 (resumed from) pruned, step 5 kept; the corrupt 6 left alone
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000005", "step-000000006"]
