@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from neorec.data.config import DataConfig
-from neorec.embedding.config import SparseOptimizerConfig, StorageConfig
+from neorec.embedding.config import POOLINGS, SparseOptimizerConfig, StorageConfig
 from neorec.embedding.locations import LocationConfig
 from neorec.sharding.qcomm import CommConfig
 from neorec.train.checkpoint_config import CheckpointConfig
@@ -41,6 +42,9 @@ class ModelConfig:
     dense_layers: bottom MLP layer sizes over the dense features.
     over_layers: top MLP hidden sizes; a final layer to one logit is added.
     interaction: "dot" (pairwise dot products) or "dcn" (DCN-v2 cross network).
+    dcn_num_layers: cross layers of "dcn" (>= 0).
+    dcn_low_rank: rank of each cross layer's weight for "dcn" (0 = full rank).
+    self_interaction: include each vector's dot product with itself ("dot" only).
     pooling: "sum" or "mean" over each bag of ids.
     """
 
@@ -56,6 +60,16 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.interaction not in INTERACTIONS:
             raise ValueError(f"model.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"model.pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        for name in ("dcn_num_layers", "dcn_low_rank"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if self.self_interaction and self.interaction != "dot":
+            raise ValueError(
+                f"model.self_interaction applies only to model.interaction = 'dot', got interaction "
+                f"{self.interaction!r}; set model.self_interaction = false"
+            )
         if self.embedding_dim <= 0:
             raise ValueError(f"model.embedding_dim must be > 0, got {self.embedding_dim}")
         if not self.dense_layers or any(n <= 0 for n in self.dense_layers):
@@ -94,8 +108,11 @@ class DenseOptimizerConfig:
     def __post_init__(self) -> None:
         if self.kind not in DENSE_OPTIMIZERS:
             raise ValueError(f"dense_optimizer.kind must be one of {DENSE_OPTIMIZERS}, got {self.kind!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"dense_optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"dense_optimizer.learning_rate must be finite and > 0, got {self.learning_rate}")
+        for name in ("eps", "weight_decay"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"dense_optimizer.{name} must be finite and >= 0, got {getattr(self, name)}")
 
 
 @dataclass

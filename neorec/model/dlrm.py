@@ -87,6 +87,11 @@ class DenseArch(nn.Module):
         self.output_dim = prev
         self.mlp = nn.Sequential(*layers)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights, which the dense features must have."""
+        return self.mlp[0].weight.dtype
+
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
 
@@ -355,12 +360,23 @@ class DLRM(nn.Module):
         return pooled.values
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """dense [B, num_dense] float, sparse KeyedJaggedTensor with batch B -> logits [B]."""
+        """dense [B, num_dense] in the parameters' dtype (float32 unless the model was converted),
+        sparse KeyedJaggedTensor with batch B -> logits [B]."""
         if dense.dim() != 2 or dense.shape[1] != self.dense_arch.num_dense:
             raise ValueError(
                 f"DLRM: dense must be [B, {self.dense_arch.num_dense}], got {tuple(dense.shape)}"
             )
+        if dense.dtype != self.dense_arch.dtype:
+            raise ValueError(
+                f"DLRM: dense must be {self.dense_arch.dtype} (the dtype of the model's parameters), got "
+                f"{dense.dtype}; convert it with dense.to({self.dense_arch.dtype})"
+            )
         batch = dense.shape[0]
+        if isinstance(sparse, KeyedJaggedTensor) and sparse.batch_size != batch:
+            raise ValueError(
+                f"DLRM: dense has {batch} rows but the sparse KeyedJaggedTensor has batch_size="
+                f"{sparse.batch_size}; both must hold the same samples (B rows each)"
+            )
         # a sharded sparse arch returns its pooled rows through a collective: launch it first and
         # run the bottom MLP while the rows travel
         launch = getattr(self.sparse_arch, "forward_awaitable", None)

@@ -40,11 +40,39 @@ def test_parse_override_types():
         ("embedding.storage.precision=fp8", "precision must be one of"),
         ("data.source=kaggle", "data.source must be one of"),
         ("model.dense_layers=[64, 8]", "must end in model.embedding_dim"),
+        ('model.pooling="max"', r"model.pooling must be one of \('sum', 'mean'\), got 'max'"),
+        ("model.dcn_low_rank=-2", "model.dcn_low_rank must be >= 0, got -2"),
+        ("model.dcn_num_layers=-1", "model.dcn_num_layers must be >= 0, got -1"),
+        ("dense_optimizer.learning_rate=inf", "dense_optimizer.learning_rate must be finite and > 0, got inf"),
+        ("dense_optimizer.eps=-1e-8", "dense_optimizer.eps must be finite and >= 0, got -1e-08"),
+        ("dense_optimizer.weight_decay=-0.1", "dense_optimizer.weight_decay must be finite and >= 0, got -0.1"),
+        ("dense_optimizer.weight_decay=nan", "dense_optimizer.weight_decay must be finite and >= 0, got nan"),
     ],
 )
 def test_bad_values_are_clear_errors(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+def test_model_choices_and_ranges_are_checked_with_the_config(tmp_path):
+    """Values the model build would reject stop the run at config time, naming the key and the
+    --set or file that gave them (not a table or DCNInteraction error at model build)."""
+    with pytest.raises(ValueError, match=r"model.pooling must be one of .*got 'max' \(from --set model.pooling=\"max\"\)$"):
+        load_config(None, ["train.max_steps=3", 'model.pooling="max"'])
+    with pytest.raises(ValueError, match=r"model.dcn_low_rank must be >= 0, got -2 \(from --set model.dcn_low_rank=-2\)$"):
+        load_config(None, ["model.interaction=dcn", "model.dcn_low_rank=-2"])
+    p = tmp_path / "dcn.toml"
+    p.write_text("[model]\ninteraction = \"dcn\"\ndcn_num_layers = -1\n")
+    with pytest.raises(ValueError, match=r"model.dcn_num_layers must be >= 0, got -1 \(in .*dcn.toml\)$"):
+        load_config(p)
+    p.write_text("[model]\nself_interaction = true\n")
+    assert load_config(p).model.self_interaction  # fine with "dot"
+    with pytest.raises(ValueError, match=r"model.self_interaction applies only to model.interaction = 'dot'.*"
+                                         r"\(from --set model.interaction=dcn\)$"):
+        load_config(p, ["model.interaction=dcn"])
+    cfg = load_config(None, ['model.pooling="mean"', "model.interaction=dcn", "model.dcn_num_layers=0",
+                             "model.dcn_low_rank=4", "dense_optimizer.eps=0", "dense_optimizer.weight_decay=0.01"])
+    assert (cfg.model.pooling, cfg.model.dcn_num_layers, cfg.model.dcn_low_rank) == ("mean", 0, 4)
 
 
 def test_unknown_key_in_file_names_the_file(tmp_path):

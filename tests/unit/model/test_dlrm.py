@@ -56,8 +56,45 @@ def test_argument_errors(sparse_arch_factory, kjt_factory):
     model = make_model(sparse_arch_factory)
     with pytest.raises(ValueError, match=r"dense must be \[B, 3\]"):
         model(torch.randn(2, 5), kjt_factory(TABLES, 2))
-    with pytest.raises(ValueError, match="expected B=3"):
+    with pytest.raises(ValueError, match="dense has 3 rows but the sparse KeyedJaggedTensor has batch_size=2"):
         model(torch.randn(3, 3), kjt_factory(TABLES, 2))
+
+
+class _SparseArchOutputBatch(torch.nn.Module):
+    """Wraps a sparse arch and keeps only the first ``rows`` rows of its output (a faulty arch)."""
+
+    def __init__(self, inner, rows):
+        super().__init__()
+        self.inner, self.rows = inner, rows
+
+    def forward(self, kjt):
+        from neorec.sparse.keyed import KeyedTensor
+
+        out = self.inner(kjt)
+        return KeyedTensor(out.keys, out.length_per_key, out.values[: self.rows])
+
+
+def test_input_errors_are_caught_at_entry_before_the_sparse_arch_runs(sparse_arch_factory, kjt_factory):
+    model = make_model(sparse_arch_factory)
+    calls = []
+    model.sparse_arch.register_forward_pre_hook(lambda *_: calls.append("sparse"))
+    kjt = kjt_factory(TABLES, 3)
+    for dtype in (torch.float64, torch.int64, torch.float16):
+        with pytest.raises(ValueError, match=rf"DLRM: dense must be torch.float32 .*got {dtype}"):
+            model(torch.ones(3, 3, dtype=dtype), kjt)
+    with pytest.raises(ValueError, match=r"dense has 4 rows but the sparse KeyedJaggedTensor has batch_size=3"):
+        model(torch.randn(4, 3), kjt)
+    assert calls == []
+    assert model(torch.randn(3, 3), kjt).shape == (3,) and calls == ["sparse"]
+    # a model converted to float64 expects float64 dense features
+    model64 = make_model(sparse_arch_factory).double()
+    assert model64(torch.randn(3, 3, dtype=torch.float64), kjt).dtype == torch.float64
+    with pytest.raises(ValueError, match=r"dense must be torch.float64 .*got torch.float32"):
+        model64(torch.randn(3, 3), kjt)
+    # a sparse arch that returns the wrong batch is still blamed as such
+    faulty = make_model(lambda tables: _SparseArchOutputBatch(sparse_arch_factory(tables), 2))
+    with pytest.raises(ValueError, match=r"sparse_arch returned \[B=2\].*expected B=3"):
+        faulty(torch.randn(3, 3), kjt)
 
 
 def test_embedding_dims_forms_and_key_reordering(sparse_arch_factory, kjt_factory):
