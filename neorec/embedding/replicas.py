@@ -6,9 +6,12 @@ gradient over the replicas (summed, in distributed training: each rank's loss is
 global mean loss). ``ReplicaGradients`` takes those tables' rows out of the fused update,
 accumulates them into one compact fp32 buffer (the tables' elements back to back), hands that
 buffer to a ``reducer`` (an all-reduce sum, say) at the end of every backward pass, and then
-applies the optimizer to every row whose reduced gradient is non-zero (same arithmetic as the fused
-update). The reducer is called on every backward, even when this process looked up no id of
-those tables, so that collectives inside it stay matched across processes.
+applies the optimizer to every row that some replica looked up (same arithmetic as the fused
+update, which steps every looked-up row, also one whose gradient sums to zero: weight decay and
+Adam's moments still move it). Which rows were looked up travels in the same buffer: one count per
+row after the gradients (4 bytes per row against 4 x dim), summed by the same reduction. The
+reducer is called on every backward, even when this process looked up no id of those tables, so
+that collectives inside it stay matched across processes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class _ReplicaTable:
     row_start: int  # first row inside the group view
     num_rows: int
     element_start: int  # offset in the compact gradient buffer
+    count_start: int = 0  # offset of its rows' look-up counts, after all gradients
 
 
 class ReplicaGradients:
@@ -51,12 +55,19 @@ class ReplicaGradients:
             offset += table.num_rows * group.dim
             self.tables.append(table)
             self._spans.setdefault(group.row_start, []).append((table.row_start, table.row_start + table.num_rows, table))
-        self.num_elements = offset
+        self.num_gradient_elements = offset
+        for table in self.tables:
+            table.count_start = offset
+            offset += table.num_rows
+        self.num_elements = offset  # gradients, then one look-up count per row
         self.grad: Optional[torch.Tensor] = None
 
     def _view(self, table: _ReplicaTable) -> torch.Tensor:
         size = table.num_rows * table.group.dim
         return self.grad[table.element_start : table.element_start + size].view(table.num_rows, table.group.dim)
+
+    def _counts(self, table: _ReplicaTable) -> torch.Tensor:
+        return self.grad[table.count_start : table.count_start + table.num_rows]
 
     def take(self, group: DimGroup, rows: torch.Tensor, row_grad: torch.Tensor
              ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -74,6 +85,7 @@ class ReplicaGradients:
         for (lo, _, table), first, last in zip(spans, cuts[0::2], cuts[1::2]):
             if last > first:
                 self._view(table).index_add_(0, rows[first:last] - lo, row_grad[first:last])
+                self._counts(table).index_fill_(0, rows[first:last] - lo, 1.0)
             keep.append((previous, first))
             previous = last
         keep.append((previous, rows.numel()))
@@ -88,14 +100,14 @@ class ReplicaGradients:
     def reduce_and_apply(self, update: Callable[[DimGroup, torch.Tensor, torch.Tensor], None],
                          device: torch.device) -> None:
         """Reduce the accumulated gradient, then ``update(group, group_rows, grad)`` for the rows
-        with a non-zero gradient; zero the buffer."""
+        some replica looked up; zero the buffer."""
         if self.grad is None:
             self.grad = torch.zeros(self.num_elements, device=device)
         if self.reducer is not None:
             self.reducer(self.grad)
         for table in self.tables:
             view = self._view(table)
-            rows = view.ne(0).any(dim=1).nonzero().squeeze(1)
+            rows = self._counts(table).gt(0).nonzero().squeeze(1)
             if rows.numel():
                 update(table.group, rows + table.row_start, view.index_select(0, rows))
         self.grad.zero_()

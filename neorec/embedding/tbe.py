@@ -142,6 +142,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.register_buffer(name, buffer)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("dense_grad", None, persistent=False)
+        self.register_buffer("dense_rows", None, persistent=False)  # [total rows] bool: looked up (dense mode)
         if self._rounder.stochastic:
             self._rounder.generator(self.weights.device)  # full-size state from the start
             self.register_buffer("rounding_rng_state", self._rounder.get_state())
@@ -340,6 +341,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self.dense_gradient:
             if self.dense_grad is None:
                 self.dense_grad = torch.zeros(self.layout.num_elements, device=self.weights.device)
+                self.dense_rows = torch.zeros(self.layout.num_rows, dtype=torch.bool, device=self.weights.device)
         else:
             self.step += 1
         step = int(self.step)
@@ -377,6 +379,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self.dense_gradient:
             view = self.dense_grad[group.element_start : group.element_end].view(group.num_rows, group.dim)
             view.index_add_(0, rows, row_grad)
+            self.dense_rows[group.row_start + rows] = True
             return
         if self._replicas is not None:
             rest = self._replicas.take(group, rows, row_grad)
@@ -388,8 +391,10 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     @torch.no_grad()
     def apply_dense_gradients(self) -> None:
-        """Dense-gradient mode: one optimizer step on every row with a non-zero accumulated
-        gradient (same arithmetic as the fused mode), then zero ``dense_grad``."""
+        """Dense-gradient mode: one optimizer step on every row looked up since the last call or
+        with a non-zero ``dense_grad`` (e.g. added by an all-reduce of other processes' gradients),
+        the same arithmetic as the fused mode, which steps every looked-up row, also one whose
+        gradient sums to zero; then zero ``dense_grad`` and ``dense_rows``."""
         if not self.dense_gradient:
             raise ValueError("apply_dense_gradients() needs dense_gradient=True; this module updates in backward")
         if self.dense_grad is None:
@@ -398,7 +403,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         step = int(self.step)
         for group in self.layout.groups:
             view = self.dense_grad[group.element_start : group.element_end].view(group.num_rows, group.dim)
-            rows = view.ne(0).any(dim=1).nonzero().squeeze(1)
+            looked_up = self.dense_rows[group.row_start : group.row_start + group.num_rows]
+            rows = (view.ne(0).any(dim=1) | looked_up).nonzero().squeeze(1)
             chunk = self._chunk_rows(group.dim)
             for first in range(0, rows.numel(), chunk):
                 chunk_rows = rows[first : first + chunk]
@@ -406,6 +412,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                             chunk_rows, view.index_select(0, chunk_rows), step, self._rounder)
                 self._mark_modified(group, chunk_rows)
         self.dense_grad.zero_()
+        self.dense_rows.zero_()
 
     def extra_repr(self) -> str:
         dims = ", ".join(f"{g.dim}: {g.num_tables} tables/{g.num_rows} rows" for g in self.layout.groups)

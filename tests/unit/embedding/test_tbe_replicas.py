@@ -54,14 +54,14 @@ def test_reducer_sees_every_backward_and_scales_the_gradient():
     halved = run("sgd", replicas=["t16"], reducer=halve)
     reference = run("sgd")
     slow = run("sgd", learning_rate=0.025)
-    assert calls == [29 * 16] * 3
+    assert calls == [29 * 16 + 29] * 3  # the gradient, then one look-up count per row
     torch.testing.assert_close(halved.get_table_weight("t16"), slow.get_table_weight("t16"))
     torch.testing.assert_close(halved.get_table_weight("t4"), reference.get_table_weight("t4"))
 
     # no id of the replica table in a batch: the reducer still runs (collectives stay matched)
     calls.clear()
     untouched = run("sgd", replicas=["t16"], reducer=halve, only_keys={"f_b"})
-    assert calls == [29 * 16] * 3
+    assert calls == [29 * 16 + 29] * 3  # the gradient, then one look-up count per row
     fresh = TableBatchedEmbeddingBags(make_tables("mixed"), SparseOptimizerConfig("sgd"))
     torch.testing.assert_close(untouched.get_table_weight("t16"), fresh.get_table_weight("t16"))
 
@@ -72,3 +72,30 @@ def test_replica_errors():
     with pytest.raises(ValueError, match="dense_gradient=True"):
         TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig("sgd"), dense_gradient=True,
                                   dense_gradient_tables=["t4"])
+
+
+@pytest.mark.parametrize("kind, extra", [("adam", {}), ("sgd", {"weight_decay": 0.01}),
+                                         ("rowwise_adagrad", {"weight_decay": 0.01})])
+def test_looked_up_rows_with_a_zero_gradient_step_like_the_fused_update(kind, extra):
+    """A row looked up whose gradient sums to exactly zero (here: every value weighted 0) still
+    takes its optimizer step in the fused update (weight decay, Adam's moments): replica tables,
+    reduced or not, and the dense-gradient mode do the same."""
+    tables = make_tables("mixed")
+    config = SparseOptimizerConfig(kind, learning_rate=0.05, **extra)
+    fused = TableBatchedEmbeddingBags(tables, config)
+    replicated = TableBatchedEmbeddingBags(tables, config, dense_gradient_tables=["t8a", "t4"],
+                                           gradient_reducer=lambda grad: grad.mul_(1.0))
+    dense = TableBatchedEmbeddingBags(tables, config, dense_gradient=True)
+    generator = torch.Generator().manual_seed(5)
+    for step in range(4):
+        kjt = make_batch(tables, 8, generator, weighted=True)
+        if step % 2:  # zero weights on half of the values: rows seen only through them get a zero gradient
+            kjt = type(kjt)(kjt.keys(), kjt.values, kjt.lengths, kjt.weights * (torch.arange(kjt.values.numel()) % 2))
+        grad = torch.randn(8, sum(fused.feature_dims), generator=generator)
+        for module in (fused, replicated, dense):
+            module(kjt).values.backward(grad)
+        dense.apply_dense_gradients()
+    for table in tables:
+        want = fused.get_table_weight(table.name)
+        torch.testing.assert_close(replicated.get_table_weight(table.name), want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(dense.get_table_weight(table.name), want, rtol=1e-6, atol=1e-7)
