@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -29,12 +31,22 @@ class TableConfig:
     pooling: str = "sum"
 
     def __post_init__(self) -> None:
-        if not self.feature_names:
-            self.feature_names = [self.name]
-        if self.num_embeddings <= 0:
-            raise ValueError(f"table {self.name!r}: num_embeddings must be > 0, got {self.num_embeddings}")
-        if self.embedding_dim <= 0:
-            raise ValueError(f"table {self.name!r}: embedding_dim must be > 0, got {self.embedding_dim}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"table name must be a string, got {self.name!r}")
+        if not isinstance(self.feature_names, (list, tuple)) or not all(
+            isinstance(f, str) for f in self.feature_names
+        ):
+            raise TypeError(
+                f"table {self.name!r}: feature_names must be a list of strings, got {self.feature_names!r}"
+            )
+        self.feature_names = list(self.feature_names) or [self.name]
+        for arg in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, arg)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"table {self.name!r}: {arg} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"table {self.name!r}: {arg} must be > 0, got {value}")
+            setattr(self, arg, int(value))
         if self.pooling not in POOLINGS:
             raise ValueError(f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
@@ -45,6 +57,8 @@ class SparseOptimizerConfig:
 
     kind: "sgd", "adagrad", "rowwise_adagrad" (one state value per row) or "adam" (lazy: only
         touched rows move; bias correction uses the global step count).
+    Checked on construction, as ``torch.optim`` does: finite numbers with learning_rate > 0,
+    eps, weight_decay and initial_accumulator_value >= 0, and 0 <= beta1, beta2 < 1.
     """
 
     kind: str = "rowwise_adagrad"
@@ -60,8 +74,20 @@ class SparseOptimizerConfig:
             raise ValueError(
                 f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {self.kind!r}"
             )
+        for arg in ("learning_rate", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value"):
+            value = getattr(self, arg)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"sparse optimizer {arg} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"sparse optimizer {arg} must be finite, got {value}")
         if not self.learning_rate > 0:
             raise ValueError(f"sparse optimizer learning_rate must be > 0, got {self.learning_rate}")
+        for arg in ("eps", "weight_decay", "initial_accumulator_value"):
+            if getattr(self, arg) < 0:
+                raise ValueError(f"sparse optimizer {arg} must be >= 0, got {getattr(self, arg)}")
+        for arg in ("beta1", "beta2"):
+            if not 0 <= getattr(self, arg) < 1:
+                raise ValueError(f"sparse optimizer {arg} must be in [0, 1), got {getattr(self, arg)}")
 
 
 @dataclass

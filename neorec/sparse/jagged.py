@@ -81,6 +81,8 @@ class KeyedJaggedTensor:
                         f"[num_keys * batch_size]"
                     )
                 batch_size = lengths.numel() // len(self._keys)
+        if batch_size < 0:
+            raise ValueError(f"KeyedJaggedTensor: batch_size must be >= 0, got {batch_size}")
         self._batch_size = int(batch_size)
         self._offsets: Optional[torch.Tensor] = None
         self._length_per_key: Optional[List[int]] = None
@@ -92,13 +94,19 @@ class KeyedJaggedTensor:
     def from_dict(
         cls, features: Dict[str, JaggedTensor], batch_size: Optional[int] = None
     ) -> "KeyedJaggedTensor":
-        """Build from ``{key: JaggedTensor}``; all features must have the same batch size."""
+        """Build from ``{key: JaggedTensor}``; all features must have the same batch size (which
+        ``batch_size``, if given, must equal)."""
         keys = list(features)
         if not keys:
             return cls.empty(batch_size or 0)
         sizes = {k: jt.lengths.numel() for k, jt in features.items()}
         if len(set(sizes.values())) != 1:
             raise ValueError(f"KeyedJaggedTensor.from_dict: features differ in batch size: {sizes}")
+        if batch_size is not None and batch_size != sizes[keys[0]]:
+            raise ValueError(
+                f"KeyedJaggedTensor.from_dict: batch_size={batch_size} but the features have batch size "
+                f"{sizes[keys[0]]}"
+            )
         has_weights = [jt.weights is not None for jt in features.values()]
         if any(has_weights) and not all(has_weights):
             missing = [k for k, jt in features.items() if jt.weights is None]
@@ -195,11 +203,19 @@ class KeyedJaggedTensor:
 
     # ----------------------------------------------------------------------------- transforms
     def permute(self, order: Sequence[int]) -> "KeyedJaggedTensor":
-        """Reorder (or repeat/drop) keys: the result's key ``i`` is this key ``order[i]``."""
+        """Reorder (or drop) keys: the result's key ``i`` is this key ``order[i]``; no index may
+        repeat (keys are unique)."""
         n = len(self._keys)
+        order = list(order)
         for i in order:
             if not 0 <= i < n:
                 raise ValueError(f"KeyedJaggedTensor.permute: index {i} outside 0..{n - 1}")
+        if len(set(order)) != len(order):
+            dup = sorted({i for i in order if order.count(i) > 1})
+            raise ValueError(
+                f"KeyedJaggedTensor.permute: order {order} repeats indices {dup} (keys "
+                f"{[self._keys[i] for i in dup]}); the keys of a KeyedJaggedTensor must be unique"
+            )
         starts = self.offset_per_key()
         b = self._batch_size
         values = [self._values[starts[i] : starts[i + 1]] for i in order]
@@ -226,6 +242,9 @@ class KeyedJaggedTensor:
         missing = [k for k in keys if k not in self._keys]
         if missing:
             raise KeyError(f"KeyedJaggedTensor has no keys {missing}; keys are {self._keys}")
+        if len(set(keys)) != len(keys):
+            dup = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(f"KeyedJaggedTensor.select_keys: keys {dup} asked for more than once")
         return self.permute([self._keys.index(k) for k in keys])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
@@ -250,7 +269,9 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
-        """Join the keys of several KJTs with the same batch size (keys must not repeat)."""
+        """Join the keys of several KJTs with the same batch size (keys must not repeat). Inputs
+        with values must all have weights or none; an input without values (such as ``empty()``)
+        joins either kind."""
         if not kjts:
             raise ValueError("KeyedJaggedTensor.concat needs at least one KeyedJaggedTensor")
         sizes = [k.batch_size for k in kjts]
@@ -260,14 +281,24 @@ class KeyedJaggedTensor:
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
             raise ValueError(f"KeyedJaggedTensor.concat: keys {dup} appear more than once")
-        weighted = [k.weights is not None for k in kjts]
-        if any(weighted) and not all(weighted):
-            raise ValueError("KeyedJaggedTensor.concat: some inputs have weights and some do not")
+        filled = [k for k in kjts if k.values.numel()]  # an input without values fits either kind
+        weighted = {k.weights is not None for k in filled or kjts}
+        if filled and len(weighted) > 1:
+            have = [i for i, k in enumerate(kjts) if k.weights is not None and k.values.numel()]
+            lack = [i for i, k in enumerate(kjts) if k.weights is None and k.values.numel()]
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: some inputs have weights and some do not (inputs {have} "
+                f"have weights, inputs {lack} have values but no weights)"
+            )
+        weights = None
+        if True in weighted:
+            like = next(k.weights for k in kjts if k.weights is not None)
+            weights = torch.cat([like.new_zeros(0) if k.weights is None else k.weights for k in kjts])
         return KeyedJaggedTensor(
             keys,
             torch.cat([k.values for k in kjts]),
             torch.cat([k.lengths for k in kjts]),
-            torch.cat([k.weights for k in kjts]) if all(weighted) else None,
+            weights,
             batch_size=sizes[0],
             validate=False,
         )

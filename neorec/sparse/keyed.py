@@ -60,7 +60,10 @@ class KeyedTensor:
         return out
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        i = self.keys.index(key)
+        try:
+            i = self.keys.index(key)
+        except ValueError:
+            raise KeyError(f"KeyedTensor has no key {key!r}; keys are {self.keys}") from None
         off = self.offset_per_key()
         return self.values[:, off[i] : off[i + 1]]
 

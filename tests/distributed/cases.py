@@ -141,10 +141,8 @@ class PieceSplitCollection(nn.Module):
         return torch.cat([self.inner.tbe.get_table_weight(p) for p, _, _ in self.pieces[name]], dim=1)
 
     def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        position = {k: i for i, k in enumerate(kjt.keys())}
-        picked = kjt.permute([position[s] for s in self.sources])
-        renamed = KeyedJaggedTensor(self.keys, picked.values, picked.lengths, picked.weights,
-                                    batch_size=kjt.batch_size, validate=False)
+        renamed = KeyedJaggedTensor.from_dict({key: kjt[source] for key, source in zip(self.keys, self.sources)},
+                                              batch_size=kjt.batch_size)
         values = self.inner(renamed).values.index_select(1, self.inverse)
         return KeyedTensor(self.feature_names, self.dims, values)
 

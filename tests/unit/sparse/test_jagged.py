@@ -104,3 +104,52 @@ def test_keyed_tensor_from_column_blocks_copies_them_on_first_use():
     assert flat.grad.tolist() == [4.0, 5.0, 4.0, 5.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="column blocks 5 wide"):
         KeyedTensor(["x"], [4], blocks)
+
+
+def test_permute_and_select_keys_refuse_repeated_keys():
+    kjt = make_kjt()
+    with pytest.raises(ValueError, match=r"permute: order \[0, 0, 1\] repeats indices \[0\] \(keys \['a'\]\)"):
+        kjt.permute([0, 0, 1])
+    with pytest.raises(ValueError, match=r"select_keys: keys \['a'\] asked for more than once"):
+        kjt.select_keys(["a", "a"])
+    assert kjt.permute(iter([1])).keys() == ["b"]  # any iterable of indices
+
+
+def test_from_dict_refuses_a_conflicting_batch_size():
+    features = make_kjt().to_dict()
+    assert KeyedJaggedTensor.from_dict(features, batch_size=3).batch_size == 3
+    with pytest.raises(ValueError, match="batch_size=5 but the features have batch size 3"):
+        KeyedJaggedTensor.from_dict(features, batch_size=5)
+    assert KeyedJaggedTensor.from_dict({}, batch_size=5).batch_size == 5
+
+
+def test_concat_empty_with_weighted():
+    weighted = make_kjt(weighted=True)
+    for parts in ([KeyedJaggedTensor.empty(3), weighted], [weighted, KeyedJaggedTensor.empty(3)]):
+        c = KeyedJaggedTensor.concat(parts)
+        c.validate()
+        assert c.keys() == ["a", "b"] and torch.equal(c.weights, weighted.weights)
+    # an unweighted input whose bags are all empty also fits
+    no_ids = KeyedJaggedTensor(["z"], torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    c = KeyedJaggedTensor.concat([no_ids, weighted])
+    c.validate()
+    assert c.keys() == ["z", "a", "b"] and torch.equal(c.weights, weighted.weights)
+    # weighted inputs without values keep the result weighted; an unweighted one with values drops them
+    assert KeyedJaggedTensor.concat([KeyedJaggedTensor.empty(3), weighted.select_keys([])]).weights is not None
+    assert KeyedJaggedTensor.concat([weighted.select_keys([]), make_kjt()]).weights is None
+    with pytest.raises(ValueError, match=r"some inputs have weights and some do not \(inputs \[0\] have weights, "
+                                         r"inputs \[1\] have values"):
+        KeyedJaggedTensor.concat([weighted.select_keys(["a"]), make_kjt().select_keys(["b"])])
+
+
+def test_negative_batch_size_is_refused():
+    with pytest.raises(ValueError, match="batch_size must be >= 0, got -1"):
+        KeyedJaggedTensor([], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), batch_size=-1)
+    with pytest.raises(ValueError, match="batch_size must be >= 0, got -2"):
+        KeyedJaggedTensor.empty(-2)
+
+
+def test_keyed_tensor_missing_key_is_a_key_error():
+    kt = KeyedTensor(["x", "y"], [2, 3], torch.zeros(2, 5))
+    with pytest.raises(KeyError, match=r"KeyedTensor has no key 'c'; keys are \['x', 'y'\]"):
+        kt["c"]
