@@ -333,8 +333,12 @@ class Checkpointer:
             path, manifest = found
         trainer = self.trainer
         _check_compatible(manifest, trainer, path)
-        samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
         global_batch = trainer.cfg.data.batch_size * self.world_size
+        epoch_samples = trainer.source.num_train_samples()
+        samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
+        epoch_done = samples_in_epoch >= epoch_samples  # its last batch may have been short: any batch continues
+        if epoch_done:
+            samples_in_epoch = -(-epoch_samples // global_batch) * global_batch  # the new batches' whole epoch
         if samples_in_epoch % global_batch:
             fits = [b for b in range(1, 2 * trainer.cfg.data.batch_size + 1)
                     if samples_in_epoch % (b * self.world_size) == 0]

@@ -323,6 +323,16 @@ def test_resume_with_a_global_batch_that_does_not_divide_the_epoch_suggests_one(
     assert resumed.fit().samples == 192 and resumed.step == 4
 
 
+def test_resume_at_the_end_of_an_epoch_takes_any_global_batch(tmp_path):
+    """An epoch of 1000 samples in batches of 128 ends with a short batch of 104: a checkpoint
+    there continues with the next epoch whatever the new global batch (here 100)."""
+    make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 8)).fit()  # the whole epoch 0
+    resumed = make_trainer(tmp_path, "data.batch_size=100", "train.max_steps=9", resume=str(tmp_path / "ckpt"),
+                           name="r100")
+    assert resumed.fit().samples == 100 and resumed.step == 9
+    assert resumed.checkpointer.position.epoch == 1 and resumed.checkpointer.position.batch_in_epoch == 1
+
+
 def test_config_or_plan_given_a_directory_says_so(tmp_path):
     from neorec.config import load_config
     from neorec.files import read_json_file
