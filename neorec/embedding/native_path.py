@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from neorec.embedding.tbe import TableBatchedEmbeddingBags
 
 NATIVE_OPTIMIZERS = tuple(KIND_CODES)
+MAX_NATIVE_DIM = 1 << 16  # the kernels keep a [dim] fp32 row on the stack (256 KiB at this dim)
 
 
 def native_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[str]:
@@ -40,6 +41,9 @@ def native_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[s
         return "dense-gradient tables use the torch path"
     if max(module.table_rows) > 2**32:
         return f"a table of {max(module.table_rows)} rows: the native kernels take at most 2^32 rows per table"
+    if max(module.table_dims) > MAX_NATIVE_DIM:
+        return (f"a table of dim {max(module.table_dims)}: the native kernels take dims up to {MAX_NATIVE_DIM} "
+                f"(one row of scratch on each thread's stack)")
     return native_available()
 
 
@@ -70,9 +74,6 @@ class NativePath:
         features = features_in_order(features, m.feature_names, m.weights.device)
         weights = features.weights
         if weights is not None:
-            if weights.requires_grad and torch.is_grad_enabled():
-                raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
-                                 "differentiate with respect to per-value weights; pass weights.detach()")
             weights = weights.detach().to(torch.float32).contiguous()
         ids = features.values.to(torch.int64).contiguous()
         offsets = features.offsets()

@@ -13,7 +13,7 @@ from neorec.sparse.jagged import KeyedJaggedTensor
 
 def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], device: torch.device) -> KeyedJaggedTensor:
     """``features`` with exactly ``feature_names`` as keys, in that order (keys may be a superset
-    or a permutation), checked to be on ``device``."""
+    or a permutation), checked to be on ``device`` and to have no weights that require grad."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
     keys = features.keys()
@@ -24,6 +24,9 @@ def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], dev
         features = features.permute([keys.index(k) for k in feature_names])
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
+    if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
+        raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
+                         "differentiate with respect to per-value weights; pass weights.detach()")
     return features
 
 

@@ -58,6 +58,10 @@ def test_triton_dispatch_checks_ids_and_choices():
 
     with pytest.raises(ValueError, match=r"feature '\w' \(table '\w+'\): id 1000 is outside"):
         module(KeyedJaggedTensor(features.keys(), bad, features.lengths).to(DEVICE))
+    weighted = make_features(torch.Generator().manual_seed(0), batch_size=2, weighted=True)
+    weights = weighted.weights.clone().requires_grad_()  # no gradient flows to them: refused, as on the CPU paths
+    with pytest.raises(ValueError, match="weights.detach"):
+        module(KeyedJaggedTensor(weighted.keys(), weighted.values, weighted.lengths, weights).to(DEVICE))
     with pytest.raises(ValueError, match="has no Triton kernel"):
         TableBatchedEmbeddingBags(TABLES, SparseOptimizerConfig("adam"), kernel="triton")._uses_triton()
     with pytest.raises(ValueError, match="kernel must be one of"):

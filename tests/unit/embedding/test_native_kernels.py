@@ -95,6 +95,11 @@ def test_auto_takes_native_where_it_serves_and_torch_elsewhere():
         TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), StorageConfig("fp16"), kernel="native").kernel_path()
     with pytest.raises(ValueError, match="kernel must be one of"):
         TableBatchedEmbeddingBags(tables, SparseOptimizerConfig(), kernel="c")
+    wide = [TableConfig("wide", 2, (1 << 16) + 1)]  # its scratch row would not fit a thread's stack
+    assert TableBatchedEmbeddingBags(wide, SparseOptimizerConfig()).kernel_path() == "torch"
+    with pytest.raises(ValueError, match="a table of dim 65537: the native kernels take dims up to 65536"):
+        TableBatchedEmbeddingBags(wide, SparseOptimizerConfig(), kernel="native").kernel_path()
+    assert TableBatchedEmbeddingBags([TableConfig("w", 2, 1 << 16)], SparseOptimizerConfig()).kernel_path() == "native"
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch):
