@@ -155,7 +155,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._table_of = {t.name: t for t in self.tables}
         self._generation = 0
         self._pending_update = False
-        self._prefetch_request: Optional[KeyedJaggedTensor] = None
+        self._prefetch_request: Optional[List[Tuple[str, torch.Tensor]]] = None  # (cache, ids), checked
 
     # ------------------------------------------------------------------------------ construction
     def _make_tbe(self, shapes: Dict[str, Tuple[int, int]], optimizer: SparseOptimizerConfig) -> TableBatchedEmbeddingBags:
@@ -338,21 +338,25 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _start_prefetch(self) -> None:
         request, self._prefetch_request = self._prefetch_request, None
-        if request is None:
-            return
-        position = {k: i for i, k in enumerate(request.keys())}
-        offsets = request.offset_per_key()
-        for name, cache in self.caches.items():
-            parts = self._table_ids(request, self._table_of[name], position, offsets)
-            cache.prefetch(torch.cat(parts) if len(parts) > 1 else parts[0])
+        for name, ids in request or ():
+            self.caches[name].prefetch(ids)
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Name the batch that follows the next forward: its cached rows are loaded while that
-        forward and its backward run, and stay pinned until its own update is done."""
+        forward and its backward run, and stay pinned until its own update is done. Its ids are
+        checked here (a missing feature or an id outside its table raises now, and the request is
+        dropped), not in the forward that starts the loads."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"prefetch expects a KeyedJaggedTensor, got {type(features).__name__}")
+        self._prefetch_request = None
         if self.caches:
-            self._prefetch_request = features
+            position = {k: i for i, k in enumerate(features.keys())}
+            offsets = features.offset_per_key()
+            request = []
+            for name in self.caches:
+                parts = self._table_ids(features, self._table_of[name], position, offsets)
+                request.append((name, torch.cat(parts) if len(parts) > 1 else parts[0]))
+            self._prefetch_request = request
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature of ``feature_names`` (keys may be a superset); values [B, total_dim]."""

@@ -291,3 +291,23 @@ def test_location_config_resolves_per_table_and_rejects_mistakes():
     cfg = load_config(None, ["embedding.location.tables.t_missing=cached_dram"])
     with pytest.raises(ValueError, match=r"names \['t_missing'\], which are not tables"):
         cfg.embedding.location.resolve(tables)
+
+
+def test_a_bad_prefetch_is_refused_when_named_and_spoils_no_forward(tmp_path):
+    """prefetch() checks the batch it is given: an id outside its table or a missing feature raises
+    there, and the next forward (of a good batch) runs as if nothing had been named."""
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    reference = EmbeddingBagCollection(TABLES, optimizer)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
+    good, bad = make_batches(2)
+    values = bad.values.clone()
+    values[-1] = 10**6
+    with pytest.raises(ValueError, match="id 1000000 is outside the table's rows"):
+        cached.prefetch(KeyedJaggedTensor(bad.keys(), values, bad.lengths, validate=False))
+    with pytest.raises(ValueError, match="lacks feature"):
+        cached.prefetch(bad.select_keys(bad.keys()[:1]))
+    out_ref, out = reference(good).values, cached(good).values
+    assert torch.equal(out_ref, out)
+    out_ref.sum().backward()
+    out.sum().backward()
+    assert_same_tables(reference, cached)
