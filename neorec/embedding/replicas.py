@@ -55,7 +55,6 @@ class ReplicaGradients:
             offset += table.num_rows * group.dim
             self.tables.append(table)
             self._spans.setdefault(group.row_start, []).append((table.row_start, table.row_start + table.num_rows, table))
-        self.num_gradient_elements = offset
         for table in self.tables:
             table.count_start = offset
             offset += table.num_rows

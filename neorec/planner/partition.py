@@ -80,9 +80,9 @@ def lower_bound(options: Dict[str, List[ShardOption]], world_size: int) -> float
 
 class _State:
     """Per-rank load (seconds) and memory per tier. ``place`` walks the ranks in load order (or
-    fill order), cached until the next ``apply``: the first ranks with room are the answer, so a
-    placement costs a few ``fits`` checks instead of one per rank (thousands of ranks, ~1000
-    tables, several options each)."""
+    fill order), cached until the next ``apply``: the first ranks with room are the answer, so an
+    "any" placement costs a few ``fits`` checks instead of one per rank (thousands of ranks, ~1000
+    tables, several options each); a "node" one still visits every rank, with the check inlined."""
 
     def __init__(self, topo: Topology, capacity: Capacity):
         self.world, self.per_node = topo.world_size, int(topo.ranks_per_node)
