@@ -9,7 +9,11 @@ Record layout, precisions and the read/write API are those of ``RowStore`` (``st
 
 SSD store files: ``<path>/rows.bin`` (the records) and ``<path>/meta.json`` (format, shape,
 precision, fields, whether the rows were flushed). Creation is atomic (built in a temporary
-directory, fsynced, renamed). The file is the table's working storage, not a checkpoint: after
+directory, fsynced, renamed) and allocates the whole file up front (``posix_fallocate``), so a
+full disk is an error at creation, not a SIGBUS when a row is first written. One process at a time:
+an open store holds an exclusive lock (``flock`` on ``<parent>/.<name>.lock``, released by the
+kernel when the process ends), and creating or opening a store another process holds is refused.
+The file is the table's working storage, not a checkpoint: after
 ``flush()`` it is durable; a store written after its last flush is marked unclean and reopening it
 is refused unless ``allow_unclean=True``. Resident memory is bounded: on opening, the file's clean
 cached pages are dropped (``posix_fadvise(DONTNEED)``: pages cached by writes may be large folios,
@@ -21,6 +25,8 @@ whenever about ``resident_budget_bytes`` have been touched.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import mmap
 import os
@@ -48,11 +54,13 @@ class SsdRowStore(RowStore):
     kind = "ssd"
     DEFAULT_RESIDENT_BUDGET = 256 << 20
 
-    def __init__(self, path: Path, meta: Dict, resident_budget_bytes: int, name: str = "") -> None:
+    def __init__(self, path: Path, meta: Dict, resident_budget_bytes: int, name: str = "",
+                 lock: Optional[int] = None) -> None:
         fmt = RowFormat.from_json(meta["format"])
         num_rows = int(meta["num_rows"])
         self.path = Path(path)
         self._meta = meta
+        self._lock: Optional[int] = None  # the flock's descriptor: owned once construction succeeded
         self.resident_budget_bytes = int(resident_budget_bytes)
         self._file = open(self.path / "rows.bin", "r+b")
         size = os.fstat(self._file.fileno()).st_size
@@ -75,6 +83,7 @@ class SsdRowStore(RowStore):
         self._clean = bool(meta["clean"])
         self._touched_bytes = 0
         self.releases = 0
+        self._lock = lock  # None for a store being built (its creator holds the lock)
 
     # ------------------------------------------------------------------------------ create / open
     @classmethod
@@ -91,16 +100,15 @@ class SsdRowStore(RowStore):
         fmt = row_format(dim, precision, state, with_counts)
         if path.exists() and not overwrite:
             raise ValueError(f"row store {str(path)!r} already exists; open it with SsdRowStore.open or pass overwrite=True")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _lock(path)  # before anything is replaced: another process may be using the store
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
         meta = {"format_name": _FORMAT, "version": _VERSION, "num_rows": num_rows, "format": fmt.to_json(),
                 "stochastic_rounding": bool(stochastic_rounding), "seed": seed, "clean": True}
         try:
-            with open(tmp / "rows.bin", "wb") as f:
-                f.truncate(num_rows * fmt.record_bytes)  # sparse: reads as zeros
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            _allocate(tmp / "rows.bin", num_rows * fmt.record_bytes, path)
             _write_json(tmp / "meta.json", meta)
             store = cls(tmp, meta, resident_budget_bytes, name=path.name)
             if fill is not None:
@@ -114,15 +122,25 @@ class SsdRowStore(RowStore):
             _fsync_dir(path.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            os.close(lock)
             raise
-        return cls.open(path, resident_budget_bytes=resident_budget_bytes)
+        return cls.open(path, resident_budget_bytes=resident_budget_bytes, _lock_fd=lock)
 
     @classmethod
     def open(cls, path: str | os.PathLike, allow_unclean: bool = False,
-             resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET) -> "SsdRowStore":
+             resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET, _lock_fd: Optional[int] = None) -> "SsdRowStore":
         """Reopen a store made by ``create``. Refuses one written after its last flush (a crash
-        or a missing ``close()``) unless ``allow_unclean``."""
+        or a missing ``close()``) unless ``allow_unclean``, and one another process has open."""
         path = Path(path)
+        lock = _lock(path) if _lock_fd is None else _lock_fd
+        try:
+            return cls(path, cls._read_meta(path, allow_unclean), resident_budget_bytes, lock=lock)
+        except BaseException:
+            os.close(lock)
+            raise
+
+    @staticmethod
+    def _read_meta(path: Path, allow_unclean: bool) -> Dict:
         meta_path = path / "meta.json"
         if not meta_path.is_file():
             raise ValueError(f"row store {str(path)!r}: no meta.json there (not a row store, or never created)")
@@ -136,7 +154,7 @@ class SsdRowStore(RowStore):
         if not meta["clean"] and not allow_unclean:
             raise ValueError(f"row store {str(path)!r} was written after its last flush (crash or missing "
                              f"close()); its rows may mix old and new values. Pass allow_unclean=True to open it anyway")
-        return cls(path, meta, resident_budget_bytes)
+        return meta
 
     # ------------------------------------------------------------------------------ hooks
     def _touched(self, num_records: int) -> None:
@@ -173,7 +191,13 @@ class SsdRowStore(RowStore):
         self.records = torch.empty(0, self.format.record_bytes, dtype=torch.uint8)
         self._map.close()
         self._file.close()
+        self._release_lock()
         self.closed = True
+
+    def _release_lock(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            os.close(lock)  # closing the descriptor drops the flock
 
     def close(self) -> None:
         if not self.closed:
@@ -186,6 +210,45 @@ class SsdRowStore(RowStore):
         file = getattr(self, "_file", None)
         if file is not None and not file.closed:
             file.close()
+        self._release_lock()
+
+
+def _lock(path: Path) -> int:
+    """An exclusive ``flock`` on ``<parent>/.<name>.lock`` (beside the store, so that it outlives
+    the store directory being replaced); the descriptor holds it. Refused while another process
+    holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.parent / f".{path.name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ValueError(f"row store {str(path)!r} is in use by another process (pid {holder}); two runs "
+                             f"must not share an SSD store: give this one another embedding.location.ssd_dir "
+                             f"(or train.output_dir)") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _allocate(file: Path, size: int, store: Path) -> None:
+    """Create ``file`` with ``size`` bytes of zeros, its blocks reserved where the file system
+    can (a sparse file otherwise): no space left is an error naming the store, now."""
+    with open(file, "wb") as f:
+        try:
+            if size and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise OSError(exc.errno, f"no space left for row store {str(store)!r}: it needs {size:,} bytes "
+                                         f"on {str(store.parent)!r}") from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+        f.truncate(size)  # reads as zeros; a file system without fallocate leaves it sparse
 
 
 def _write_json(path: Path, data: Dict) -> None:

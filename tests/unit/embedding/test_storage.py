@@ -7,6 +7,8 @@ bounds, unbiased stochastic rounding, partial writes, SSD create / reopen / cras
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,16 +144,46 @@ def test_ssd_create_fill_reopen_and_release(tmp_path):
 
 def test_unflushed_store_is_marked_unclean(tmp_path):
     path = tmp_path / "t"
-    store = SsdRowStore.create(path, 10, 4)
-    store.write(torch.tensor([1]), torch.ones(1, 4))  # no flush: a crash here leaves a mix
+    crash = ("import sys, os, torch; from neorec.embedding.ssd_store import SsdRowStore; "
+             "store = SsdRowStore.create(sys.argv[1], 10, 4); "
+             "store.write(torch.tensor([1]), torch.ones(1, 4)); os._exit(0)")  # no flush: a crash leaves a mix
+    subprocess.run([sys.executable, "-c", crash, str(path)], check=True)
     assert json.loads((path / "meta.json").read_text())["clean"] is False
     with pytest.raises(ValueError, match="written after its last flush"):
         SsdRowStore.open(path)
-    SsdRowStore.open(path, allow_unclean=True).close()
+    store = SsdRowStore.open(path, allow_unclean=True)
+    assert torch.equal(store.read_rows(torch.tensor([1])), torch.ones(1, 4))  # the write reached the file
     store.flush()
     assert json.loads((path / "meta.json").read_text())["clean"] is True
-    SsdRowStore.open(path).close()
     store.close()
+    SsdRowStore.open(path).close()
+
+
+def test_a_store_is_used_by_one_process_at_a_time(tmp_path):
+    """An open store holds a lock: opening or re-creating it elsewhere is refused (it would delete
+    or mix the rows being trained), until it is closed or its process ends."""
+    path = tmp_path / "t"
+    store = SsdRowStore.create(path, 10, 4)
+    hold = ("import sys, time; from neorec.embedding.ssd_store import SsdRowStore; "
+            "s = SsdRowStore.open(sys.argv[1]); print('open', flush=True); time.sleep(60)")
+    store.close()
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        message = rf"row store '{path}' is in use by another process \(pid {holder.pid}\)"
+        with pytest.raises(ValueError, match=message):
+            SsdRowStore.open(path)
+        with pytest.raises(ValueError, match=message):
+            SsdRowStore.create(path, 20, 4, overwrite=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    reopened = SsdRowStore.open(path)  # the kernel dropped the lock with the process
+    assert reopened.num_rows == 10
+    with pytest.raises(ValueError, match="is in use by another process"):
+        SsdRowStore.open(path)  # a second handle in the same process too
+    reopened.close()
+    SsdRowStore.create(path, 20, 4, overwrite=True).close()
 
 
 def test_failed_fill_leaves_nothing(tmp_path):
@@ -160,7 +192,7 @@ def test_failed_fill_leaves_nothing(tmp_path):
 
     with pytest.raises(RuntimeError, match="disk full"):
         SsdRowStore.create(tmp_path / "t", 10, 4, fill=fill)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".t.lock"]  # no store, no temporary: only the lock file
 
 
 def test_errors(tmp_path):
@@ -198,3 +230,21 @@ def test_errors(tmp_path):
         f.truncate(7)
     with pytest.raises(ValueError, match="rows.bin holds 7 bytes"):
         SsdRowStore.open(tmp_path / "t")
+
+
+def test_no_space_for_a_store_is_an_error_at_creation(tmp_path, monkeypatch):
+    """The file's blocks are reserved when the store is made: a full disk is a clear error there
+    (not a SIGBUS at the first write of a row), and nothing is left behind but the lock file."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"no space left for row store '.*t': it needs 160 bytes"):
+        SsdRowStore.create(tmp_path / "t", 10, 4)
+    assert [p.name for p in tmp_path.iterdir()] == [".t.lock"]
+    monkeypatch.undo()
+    SsdRowStore.create(tmp_path / "t", 10, 4).close()
+    assert os.stat(tmp_path / "t" / "rows.bin").st_blocks * 512 >= 160  # allocated, not sparse
