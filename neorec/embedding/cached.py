@@ -218,12 +218,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         budget = location.resident_budget_mb << 20
         if location.open_existing:
             store = SsdRowStore.open(location.path, resident_budget_bytes=budget)
-            expected = (table.num_embeddings, table.embedding_dim, location.precision, tuple(state.items()))
-            found = (store.num_rows, store.dim, store.precision, store.format.state)
+            expected = (table.num_embeddings, table.embedding_dim, location.precision, tuple(state.items()), counts)
+            found = (store.num_rows, store.dim, store.precision, store.format.state, store.format.with_counts)
             if found != expected:
                 store.close()
                 raise ValueError(f"table {table.name!r}: the store at {location.path!r} holds (rows, dim, precision, "
-                                 f"state) = {found}, the table needs {expected}")
+                                 f"state, LFU counts) = {found}, the table needs {expected}")
             return store
         return SsdRowStore.create(location.path, table.num_embeddings, table.embedding_dim, location.precision,
                                   state, counts, location.stochastic_rounding, location.seed, fill=fill,

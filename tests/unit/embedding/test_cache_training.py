@@ -178,6 +178,11 @@ def test_ssd_write_back_loses_nothing_and_reopened_stores_continue_training(tmp_
         store.close()
     reopened = {name: TableLocation("cached_ssd", cache_rows=64, ways=8, path=loc.path, open_existing=True)
                 for name, loc in everywhere.items()}
+    lfu = {name: TableLocation("cached_ssd", cache_rows=64, ways=8, path=loc.path, open_existing=True, policy="lfu")
+           for name, loc in everywhere.items()}
+    with pytest.raises(ValueError, match=r"holds \(rows, dim, precision, state, LFU counts\) = .*False\), the "
+                                         r"table needs .*True\)"):
+        CachedEmbeddingBagCollection(TABLES, optimizer, locations=lfu)  # an LRU store has no access counts
     resumed = CachedEmbeddingBagCollection(TABLES, optimizer, locations=reopened, init_seed=99)
     train_both(reference, resumed, batches[10:], prefetch=False)
     assert_same_tables(reference, resumed)
