@@ -252,12 +252,15 @@ def _allocate(file: Path, size: int, store: Path) -> None:
 
 
 def _write_json(path: Path, data: Dict) -> None:
+    """Atomic and durable: the rename is synced too, so that after a power loss the store is not
+    found marked clean while its "unclean" mark had been written."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
