@@ -245,8 +245,11 @@ def _print_header(cfg, trainer) -> None:
 
 def _print_result(result) -> None:
     m = result.final_eval
-    print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
-          f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
+    if not m:
+        print("final eval: none (the eval set is empty)")
+    else:
+        print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
+              f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
     print(f"training: {result.steps} steps, {result.samples:,} samples in {result.train_seconds:.1f} s, "
           f"QPS {result.qps:,.0f} samples/s")
     if result.metrics_path:

@@ -12,13 +12,22 @@ Processed layout (a directory; see ``preprocess_criteo``): ``dense.f32`` [N, 13]
 log(1 + max(x, 0)) with missing = 0; ``categorical.i32`` (or ``.i64``) [N, 26] = a stable hash of
 each hex value into [1, num_embeddings), missing = 0; ``labels.u8`` [N]; ``meta.json`` with the
 counts, the format version and the source file's size and mtime (a changed TSV is reprocessed).
+
+Processes that preprocess the same directory (the ranks of a ``--nproc`` run, two runs on one TSV)
+take turns on an exclusive lock, ``<processed dir>.lock`` beside it: the first builds the copy,
+the others wait and then use it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -36,12 +45,16 @@ from neorec.embedding.config import TableConfig
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 __all__ = ["CriteoSource", "CriteoArrays", "PreprocessStats", "preprocess_criteo", "load_or_preprocess",
-           "open_processed", "cache_is_fresh", "write_criteo_tsv", "categorical_id", "NUM_COLUMNS"]
+           "open_processed", "cache_is_fresh", "preprocessing_lock", "remove_stale_temporaries",
+           "write_criteo_tsv", "categorical_id", "NUM_COLUMNS"]
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SHUFFLE_BLOCK_ROWS = 256
 DEFAULT_CHUNK_LINES = 2048
+OUTPUT_NAMES = ("dense.f32", "categorical.i32", "categorical.i64", "labels.u8", META_FILE)
+_TEMPORARY = re.compile(r"\.(.+)\.tmp-(\d+)")  # ".<name>.tmp-<pid>", see preprocess_criteo
+_held_locks = threading.local()  # the lock files this thread holds (the lock is reentrant)
 
 
 # ------------------------------------------------------------------------------- preprocessing
@@ -69,8 +82,11 @@ def preprocess_criteo(
 
     Reads ``chunk_lines`` lines at a time, so memory stays bounded whatever the file size. A
     malformed line raises ``ValueError("<file>:<line>: <reason>")`` or, with ``skip_malformed``, is
-    counted and left out. Files are written under temporary names and renamed when complete;
-    ``meta.json`` is written last, so a crash never leaves a cache that looks valid.
+    counted and left out. Files are written under temporary names (``.<name>.tmp-<pid>``) and
+    renamed when complete; ``meta.json`` is written last, so a crash never leaves a cache that
+    looks valid. Runs under ``out_dir``'s lock (see ``preprocessing_lock``), and first removes the
+    temporaries that a killed preprocessing of ``out_dir`` left (those whose process is gone). A
+    failed write raises ``OSError`` naming the file (a full disk, most likely).
     """
     if num_embeddings < 2:
         raise ValueError(f"num_embeddings must be >= 2 (row 0 holds missing values), got {num_embeddings}")
@@ -79,7 +95,14 @@ def preprocess_criteo(
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
     if not tsv_path.is_file():
         raise FileNotFoundError(f"Criteo TSV file not found: {tsv_path}")
+    with preprocessing_lock(tsv_path, out_dir):
+        return _preprocess(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
+
+
+def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malformed: bool,
+                chunk_lines: int) -> PreprocessStats:
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
     stat = tsv_path.stat()
     cat_dtype = np.int32 if num_embeddings <= 2**31 - 1 else np.int64
     names = _data_files(cat_dtype)
@@ -107,14 +130,18 @@ def preprocess_criteo(
                     stats.num_skipped += len(parsed.errors)
                     room = 5 - len(stats.skipped_examples)
                     stats.skipped_examples += [f"line {n}: {r}" for n, r in parsed.errors[:room]]
-                parsed.dense.tofile(files["dense"])
-                parsed.categorical.astype(cat_dtype).tofile(files["categorical"])
-                parsed.labels.tofile(files["labels"])
+                with _writing(out_dir / names["dense"]):
+                    parsed.dense.tofile(files["dense"])
+                with _writing(out_dir / names["categorical"]):
+                    parsed.categorical.astype(cat_dtype).tofile(files["categorical"])
+                with _writing(out_dir / names["labels"]):
+                    parsed.labels.tofile(files["labels"])
                 stats.num_rows += parsed.labels.size
-        for fh in files.values():
-            fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
+        for k, fh in files.items():
+            with _writing(out_dir / names[k]):
+                fh.flush()
+                os.fsync(fh.fileno())
+                fh.close()
         stats.seconds = time.perf_counter() - start
         stats.lines_per_second = stats.num_lines / max(stats.seconds, 1e-9)
         (out_dir / META_FILE).unlink(missing_ok=True)
@@ -128,13 +155,101 @@ def preprocess_criteo(
             "source": {"path": str(tsv_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
             "stats": asdict(stats),
         }
-        _write_json_atomic(out_dir / META_FILE, meta)
+        with _writing(out_dir / META_FILE):
+            _write_json_atomic(out_dir / META_FILE, meta)
     finally:
         for fh in files.values():
-            fh.close()
+            try:
+                fh.close()
+            except OSError:  # a failed flush of a file being given up: the first error is raised
+                pass
         for p in tmp.values():
             p.unlink(missing_ok=True)
     return stats
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Turn a failed write into an error naming ``path`` (numpy's own says only "26624 requested
+    and 20480 written")."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OSError(f"writing {path} failed ({reason}): the disk may be full; free space there or "
+                      "put the processed copy on another disk (data.criteo.processed_dir, or the output directory of "
+                      "preprocess-criteo)") from exc
+
+
+@contextmanager
+def preprocessing_lock(tsv_path: str | os.PathLike, out_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold the exclusive lock of processed directory ``out_dir`` (``fcntl.flock`` on
+    ``<out_dir>.lock``, beside it), waiting for another process that holds it, with one line
+    printed. Reentrant within a thread. Where no lock file can be made (a read-only location) or
+    the file system has no locks, goes on without one: nothing can be built there anyway."""
+    out_dir = Path(out_dir).resolve()
+    lock_path = out_dir.with_name(f"{out_dir.name}.lock")
+    held = getattr(_held_locks, "paths", None)
+    if held is None:
+        held = _held_locks.paths = set()
+    if str(lock_path) in held:
+        yield
+        return
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "a")
+    except OSError:
+        lock = None
+    if lock is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _notice(f"criteo: waiting for another process preprocessing {tsv_path} into {out_dir} "
+                    f"(it holds {lock_path})")
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        except OSError:  # a file system without locks
+            pass
+        held.add(str(lock_path))
+        try:
+            yield
+        finally:
+            held.discard(str(lock_path))
+    finally:
+        lock.close()  # releases the lock
+
+
+def remove_stale_temporaries(out_dir: str | os.PathLike) -> List[Path]:
+    """Remove the temporary files (``.<name>.tmp-<pid>``, name one of ``OUTPUT_NAMES``) in
+    ``out_dir`` whose process is gone (a killed preprocessing); returns them. Call it under the
+    directory's lock: temporaries of live processes are kept."""
+    removed = []
+    for path in Path(out_dir).iterdir():
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or match.group(1) not in OUTPUT_NAMES:
+            continue
+        pid = int(match.group(2))
+        if pid != os.getpid() and not _process_alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (PermissionError), or not a pid
+        return True
+    return True
+
+
+def _notice(text: str) -> None:
+    """One line for the user on stdout (where ``neorec train`` prints)."""
+    print(text, file=sys.stdout, flush=True)
 
 
 def _data_files(cat_dtype) -> dict:
@@ -212,13 +327,29 @@ def open_processed(out_dir: str | os.PathLike) -> CriteoArrays:
 
 def load_or_preprocess(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_embeddings: int,
                        skip_malformed: bool = False, chunk_lines: int = DEFAULT_CHUNK_LINES) -> CriteoArrays:
-    """The processed arrays of ``tsv_path``, (re)building ``out_dir`` when missing or stale."""
-    if not cache_is_fresh(tsv_path, out_dir, num_embeddings, skip_malformed):
-        preprocess_criteo(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
-    return open_processed(out_dir)
+    """The processed arrays of ``tsv_path``, (re)building ``out_dir`` when missing or stale.
+
+    The check and the build run under ``out_dir``'s lock: of several processes asking at once, one
+    preprocesses and the others wait for it and then map its copy."""
+    if not Path(tsv_path).is_file():
+        raise FileNotFoundError(f"Criteo TSV file not found: {tsv_path}")
+    with preprocessing_lock(tsv_path, out_dir):
+        if not cache_is_fresh(tsv_path, out_dir, num_embeddings, skip_malformed):
+            preprocess_criteo(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
+        return open_processed(out_dir)
 
 
 # ------------------------------------------------------------------------------- source
+def _report_skipped(tsv_path: str, arrays: CriteoArrays) -> None:
+    """Say (once per run: on rank 0 or a single process) how many malformed lines the copy left out."""
+    stats = arrays.meta.get("stats", {})
+    if not stats.get("num_skipped") or os.environ.get("RANK", "0") != "0":
+        return
+    first = stats.get("skipped_examples") or ["?"]
+    _notice(f"criteo: {tsv_path}: {stats['num_skipped']:,} of {stats['num_lines']:,} lines were malformed and "
+            f"skipped (data.criteo.skip_malformed = true; first: {first[0]})")
+
+
 class CriteoSource:
     """Batches of processed Criteo data: 13 dense features, 26 one-id bags ``cat_0..cat_25``."""
 
@@ -234,8 +365,10 @@ class CriteoSource:
         processed = Path(cfg.processed_dir or f"{cfg.train_path}.neorec")
         args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines)
         self._train = load_or_preprocess(cfg.train_path, processed / "train", *args)
+        _report_skipped(cfg.train_path, self._train)
         if cfg.eval_path:
             self._eval = load_or_preprocess(cfg.eval_path, processed / "eval", *args)
+            _report_skipped(cfg.eval_path, self._eval)
             self._train_rows = (0, self._train.num_rows)
             self._eval_rows = (0, self._eval.num_rows)
         else:
@@ -245,6 +378,14 @@ class CriteoSource:
             self._train_rows, self._eval_rows = (0, n - num_eval), (n - num_eval, n)
         if self.num_train_samples() == 0:
             raise ValueError(f"Criteo data {cfg.train_path} has no training rows")
+        if self.num_eval_samples() == 0 and (cfg.eval_path or cfg.eval_fraction > 0):  # 0: no eval asked for
+            if cfg.eval_path:
+                raise ValueError(f"Criteo eval data {cfg.eval_path} has no rows: give data.criteo.eval_path "
+                                 "a non-empty TSV file, or leave it empty to hold out the last eval_fraction "
+                                 "of the training file")
+            raise ValueError(f"Criteo data {cfg.train_path}: eval_fraction {cfg.eval_fraction} of its "
+                             f"{self._train.num_rows:,} rows leaves no eval rows: raise data.criteo.eval_fraction "
+                             "or set data.criteo.eval_path to a held-out TSV file")
 
     def tables(self, embedding_dim: int, pooling: str = "sum") -> List[TableConfig]:
         return one_table_per_feature(self.feature_names, [self.cfg.num_embeddings] * NUM_CATEGORICAL,

@@ -21,6 +21,7 @@ Sparse features (KeyedJaggedTensor keys, in order): user, item, age (bucket: <18
 35-44, 45-49, 50-55, 56+), gender, occupation, zip (first 3 characters), release_year, genres (a
 multi-hot bag with every genre of the movie). Ids come from vocabularies built from the files in
 sorted token order; id 0 is reserved for an unknown or missing value (e.g. release year "unknown").
+An interaction whose user or item is not in the user or item file is an error, not id 0.
 
 Dense features (``dense_names``): the user's age and the movie's release year, standardised
 (unknown year = 0), and log(1 + count) of the item's and of the user's training interactions,
@@ -152,6 +153,18 @@ def _vocabulary(tokens: Sequence[str]) -> Dict[str, int]:
     return {token: i + 1 for i, token in enumerate(sorted(set(tokens)))}
 
 
+def _check_known(inter_path: Path, kind: str, ids: List[str], vocab: Dict[str, int], table_path: Path) -> None:
+    """Refuse interactions whose user (item) is not in the user (item) file."""
+    unknown = [token for token in ids if token not in vocab]
+    if unknown:
+        distinct = list(dict.fromkeys(unknown))
+        shown = ", ".join(repr(t) for t in distinct[:5]) + (" ..." if len(distinct) > 5 else "")
+        article = "an" if kind == "item" else "a"
+        raise ValueError(f"{inter_path}: {len(unknown)} of {len(ids)} interactions name {article} {kind} missing "
+                         f"from {table_path} ({kind} ids {shown}); add those {kind}s to {table_path.name} or "
+                         "remove their interactions")
+
+
 def _age_bucket(age: float) -> str:
     for upper, name in AGE_BUCKETS:
         if age < upper:
@@ -235,14 +248,19 @@ class MovieLensSource:
         timestamps = numbers("inter", "timestamp", inter["timestamp"])
         order = np.argsort(timestamps, kind="stable")
         self.timestamps = timestamps[order]
-        self._user = np.array([user_vocab.get(u, 0) for u in inter["user_id"]], dtype=np.int64)[order]
-        self._item = np.array([item_vocab.get(i, 0) for i in inter["item_id"]], dtype=np.int64)[order]
+        _check_known(paths["inter"], "user", inter["user_id"], user_vocab, paths["user"])
+        _check_known(paths["inter"], "item", inter["item_id"], item_vocab, paths["item"])
+        self._user = np.array([user_vocab[u] for u in inter["user_id"]], dtype=np.int64)[order]
+        self._item = np.array([item_vocab[i] for i in inter["item_id"]], dtype=np.int64)[order]
         self._labels = (ratings[order] >= cfg.min_rating_positive).astype(np.float32)
         num = order.size
         self._num_train = num - int(round(num * cfg.eval_fraction))
         if self._num_train <= 0 or num == 0:
             raise ValueError(f"{paths['inter']}: {num} interactions leave no training data "
                              f"with eval_fraction {cfg.eval_fraction}")
+        if self._num_train == num:
+            raise ValueError(f"{paths['inter']}: {num} interactions leave no eval data with eval_fraction "
+                             f"{cfg.eval_fraction}: raise data.movielens.eval_fraction")
 
         train = slice(0, self._num_train)
         item_counts = np.log1p(np.bincount(self._item[train], minlength=len(item_vocab) + 1))

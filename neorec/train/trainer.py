@@ -282,7 +282,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ loop
     def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int) -> float:
-        """Evaluate, log and print; returns the seconds it took (not counted as training time)."""
+        """Evaluate, log and print; returns the seconds it took (not counted as training time).
+        Nothing without an eval set."""
+        if not self.source.num_eval_samples():
+            return 0.0
         t0 = time.perf_counter()
         metrics = self.evaluate()
         log.write({"kind": "eval", "step": self.step, "epoch": epoch, **metrics})
@@ -369,7 +372,7 @@ class Trainer:
             train_seconds = time.perf_counter() - start - eval_seconds
             train_comm = (self.comm_stats.snapshot(), dict(self.comm_stats.calls)) if self.comm_stats else None
             bar.close()
-            final_eval = self.evaluate()
+            final_eval = self.evaluate() if self.source.num_eval_samples() else {}  # {}: no eval set
             for collection in cached_collections(self.model):
                 collection.flush()  # every cached row back in its store
             qps = samples / max(train_seconds, 1e-9)

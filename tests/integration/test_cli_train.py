@@ -34,6 +34,18 @@ def test_train_tiny_end_to_end(tmp_path, capsys):
     assert cfg["data"]["source"] == "synthetic"
 
 
+def test_no_eval_set_trains_without_evaluating(tmp_path, capsys):
+    """num_eval_samples = 0 asks for no eval set: no eval records and no NaN metrics, said plainly."""
+    rc = main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--no-progress",
+               "--set", "data.synthetic.num_eval_samples=0", "--set", "train.epochs=2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "final eval: none (the eval set is empty)" in out and "nan" not in out.lower()
+    records = read_log(tmp_path / "metrics.jsonl")
+    assert [r["kind"] for r in records if r["kind"] != "train"] == ["final"]
+    assert "auc" not in records[-1] and records[-1]["samples"] > 0
+
+
 def test_train_learns_synthetic(tmp_path, capsys):
     """The synthetic labels are learnable: a short run beats chance clearly."""
     rc = main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--no-progress",

@@ -24,9 +24,9 @@ RATINGS = [(str(RNG.choice(["1", "2", "3", "7"])), str(RNG.integers(1, 6)), str(
             str(880_000_000 + int(t))) for t in RNG.permutation(60) * 1000]
 
 
-def write_grouplens(directory: Path) -> Path:
+def write_grouplens(directory: Path, ratings=RATINGS) -> Path:
     directory.mkdir()
-    (directory / "u.data").write_text("".join("\t".join(r) + "\n" for r in RATINGS))
+    (directory / "u.data").write_text("".join("\t".join(r) + "\n" for r in ratings))
     (directory / "u.user").write_text("".join("|".join(u) + "\n" for u in USERS))
     (directory / "u.genre").write_text("".join(f"{g}|{i}\n" for i, g in enumerate(GENRES)) + "\n")
     lines = [f"{item}|{title}|{date}||http://example.invalid/{item}|"
@@ -36,11 +36,11 @@ def write_grouplens(directory: Path) -> Path:
     return directory
 
 
-def write_recbole(directory: Path) -> Path:
+def write_recbole(directory: Path, ratings=RATINGS) -> Path:
     directory.mkdir()
     name = directory.name
     (directory / f"{name}.inter").write_text(
-        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n" + "".join("\t".join(r) + "\n" for r in RATINGS))
+        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n" + "".join("\t".join(r) + "\n" for r in ratings))
     (directory / f"{name}.user").write_text(
         "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
         + "".join("\t".join(u) + "\n" for u in USERS))
@@ -100,3 +100,27 @@ def test_missing_directory_or_file_is_explained(tmp_path):
     (partial / "ml-tiny.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1\t5\t10\n")
     with pytest.raises(FileNotFoundError, match=r"has no \*\.user file"):
         MovieLensSource(MovieLensConfig(path=str(partial)))
+
+
+@pytest.mark.parametrize("layout", ["grouplens", "recbole"])
+def test_interactions_of_unknown_users_or_items_are_refused(tmp_path, layout):
+    """Not mapped silently to the unknown id 0: the error names the files and the ids."""
+    write = write_grouplens if layout == "grouplens" else write_recbole
+    ratings = RATINGS + [("9", "1", "5", "880000001"), ("9", "2", "4", "880000002"), ("8", "3", "4", "880000003")]
+    directory = write(tmp_path / "ml-tiny", ratings)
+    user_file = "u.user" if layout == "grouplens" else "ml-tiny.user"
+    with pytest.raises(ValueError, match=rf"3 of 63 interactions name a user missing from .*{user_file} "
+                                         rf"\(user ids '9', '8'\); add those users to {user_file}"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
+    directory = write(tmp_path / "ml-other", RATINGS + [("1", "6", "5", "880000001")])
+    item_file = "u.item" if layout == "grouplens" else "ml-other.item"
+    with pytest.raises(ValueError, match=rf"1 of 61 interactions name an item missing from .*{item_file} "
+                                         r"\(item ids '6'\)"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
+
+
+def test_empty_eval_set_is_refused(tmp_path):
+    directory = write_grouplens(tmp_path / "ml-100k", RATINGS[:2])  # 0.2 of 2 interactions rounds to none
+    with pytest.raises(ValueError, match=r"u.data: 2 interactions leave no eval data with eval_fraction 0.2"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
+    assert MovieLensSource(MovieLensConfig(path=str(directory), eval_fraction=0.5)).num_eval_samples() == 1

@@ -1,0 +1,135 @@
+"""Criteo preprocessing under adverse conditions: several processes at once (one preprocesses,
+the others wait), temporaries left by a killed run, skipped lines reported, an empty eval set,
+a full disk."""
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from neorec.data.criteo import (CriteoSource, load_or_preprocess, open_processed, preprocess_criteo,
+                                remove_stale_temporaries, write_criteo_tsv)
+from neorec.data.config import CriteoConfig
+
+ROWS = 1000
+GOOD = "\t".join(["1"] + ["5"] * 13 + ["0a0b0c0d"] * 26)
+
+# a process that preprocesses slowly (1.5 s before the real work) once told to go
+CHILD = """
+import os, sys, time
+from pathlib import Path
+from neorec.data import criteo
+tsv, out, me, go = sys.argv[1:5]
+real = criteo.preprocess_criteo
+def slow(*args, **kwargs):
+    Path(me + ".built").touch()
+    time.sleep(1.5)
+    return real(*args, **kwargs)
+criteo.preprocess_criteo = slow
+Path(me + ".ready").touch()
+while not os.path.exists(go):
+    time.sleep(0.01)
+print("rows", criteo.load_or_preprocess(tsv, out, 1000).num_rows, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def tsv(tmp_path_factory):
+    path = tmp_path_factory.mktemp("criteo") / "day_0.tsv"
+    write_criteo_tsv(path, 2000, seed=1)
+    return path
+
+
+def test_two_processes_preprocess_once(tsv, tmp_path):
+    out, go = tmp_path / "p" / "train", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(tsv), str(out), str(tmp_path / f"c{i}"), str(go)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"c{i}.ready").exists() for i in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "children did not start"
+            time.sleep(0.05)
+        go.touch()  # both ask for the processed copy at the same moment
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr
+        assert "rows 2000" in stdout
+    assert len(list(tmp_path.glob("c*.built"))) == 1  # one preprocessed, the other used its copy
+    waited = [stdout for stdout, _ in results if "waiting for another process preprocessing" in stdout]
+    assert len(waited) == 1 and str(tsv) in waited[0]
+    assert not [p for p in os.listdir(out) if ".tmp-" in p]
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tsv, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    alive = os.getppid()
+    stale = [out / f".dense.f32.tmp-{dead.pid}", out / f".meta.json.tmp-{dead.pid}"]
+    kept = [out / f".labels.u8.tmp-{alive}", out / f".notes.txt.tmp-{dead.pid}", out / "keep.txt"]
+    for p in stale + kept:
+        p.write_bytes(b"x" * 100)
+    preprocess_criteo(tsv, out, ROWS)
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in kept)  # a live process's temporary, and files that are not ours
+    assert open_processed(out).num_rows == 2000
+    assert remove_stale_temporaries(out) == []
+
+
+def test_skipped_lines_are_reported_when_training(tmp_path, capsys):
+    path = tmp_path / "bad.tsv"
+    path.write_text("\n".join([GOOD] * 6 + ["junk"] + [GOOD] * 13) + "\n")
+    cfg = CriteoConfig(train_path=str(path), processed_dir=str(tmp_path / "p"), num_embeddings=ROWS,
+                       skip_malformed=True)
+    for _ in range(2):  # when building the copy, and when reusing it
+        source = CriteoSource(cfg)
+        assert source.num_train_samples() == 17
+        lines = [line for line in capsys.readouterr().out.splitlines() if "malformed" in line]
+        assert len(lines) == 1
+        assert f"{path}: 1 of 20 lines were malformed and skipped" in lines[0] and "first: line 7:" in lines[0]
+    clean = tmp_path / "clean.tsv"
+    clean.write_text("\n".join([GOOD] * 20) + "\n")
+    CriteoSource(CriteoConfig(train_path=str(clean), num_embeddings=ROWS, skip_malformed=True))
+    assert "malformed" not in capsys.readouterr().out
+
+
+def test_empty_eval_set_is_refused(tsv, tmp_path):
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=f"Criteo eval data {empty} has no rows: give data.criteo.eval_path"):
+        CriteoSource(CriteoConfig(train_path=str(tsv), eval_path=str(empty), processed_dir=str(tmp_path / "p"),
+                                  num_embeddings=ROWS))
+    tiny = tmp_path / "tiny.tsv"
+    tiny.write_text("\n".join([GOOD] * 4) + "\n")
+    with pytest.raises(ValueError, match="eval_fraction 0.1 of its 4 rows leaves no eval rows: raise "
+                                         "data.criteo.eval_fraction"):
+        CriteoSource(CriteoConfig(train_path=str(tiny), num_embeddings=ROWS, eval_fraction=0.1))
+    assert CriteoSource(CriteoConfig(train_path=str(tiny), num_embeddings=ROWS, eval_fraction=0.25)).num_eval_samples() == 1
+
+
+def test_full_disk_names_the_file(tsv, tmp_path):
+    """A file size limit fails the writes as a full disk does (numpy: "N requested and M written")."""
+    out = tmp_path / "out"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, hard))  # categorical.i32 needs 208 kB
+    try:
+        with pytest.raises(OSError) as info:
+            preprocess_criteo(tsv, out, ROWS, chunk_lines=256)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(info.value)
+    assert f"writing {out / 'categorical.i32'} failed" in message and "the disk may be full" in message, message
+    assert "\n" not in message
+    assert not [p for p in os.listdir(out) if ".tmp-" in p]  # the partial files are gone
+    assert load_or_preprocess(tsv, out, ROWS).num_rows == 2000  # with room, it works
