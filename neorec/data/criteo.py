@@ -35,6 +35,7 @@ from typing import Iterator, List
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from neorec.data.batch import Batch
 from neorec.data.config import CriteoConfig
@@ -52,6 +53,7 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SHUFFLE_BLOCK_ROWS = 256
 DEFAULT_CHUNK_LINES = 2048
+PROGRESS_BYTES = 64 << 20  # files at least this large announce their preprocessing and show a bar
 OUTPUT_NAMES = ("dense.f32", "categorical.i32", "categorical.i64", "labels.u8", META_FILE)
 _TEMPORARY = re.compile(r"\.(.+)\.tmp-(\d+)")  # ".<name>.tmp-<pid>", see preprocess_criteo
 _held_locks = threading.local()  # the lock files this thread holds (the lock is reentrant)
@@ -109,6 +111,11 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
     tmp = {k: out_dir / f".{name}.tmp-{os.getpid()}" for k, name in names.items()}
     stats = PreprocessStats()
     start = time.perf_counter()
+    large = stat.st_size >= PROGRESS_BYTES
+    if large:  # minutes of work: say so (a log file gets this line; a terminal also gets the bar)
+        _notice(f"criteo: preprocessing {tsv_path} ({stat.st_size / 2**20:,.0f} MiB) into {out_dir}")
+    bar = tqdm(total=stat.st_size, unit="B", unit_scale=True, desc=f"preprocessing {tsv_path.name}",
+               disable=None if large else True, file=sys.stderr, leave=False)  # None: only on a terminal
     files = {k: open(p, "wb") for k, p in tmp.items()}
     try:
         with open(tsv_path, "rb") as f:
@@ -121,6 +128,7 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
                 parsed = parse_chunk(buf, stats.num_lines + 1, num_embeddings)
                 stats.num_lines += buf.count(b"\n") + (0 if buf.endswith(b"\n") else 1)
                 stats.num_bytes += len(buf)
+                bar.update(len(buf))
                 del buf
                 if parsed.errors:
                     line, reason = parsed.errors[0]
@@ -158,6 +166,7 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
         with _writing(out_dir / META_FILE):
             _write_json_atomic(out_dir / META_FILE, meta)
     finally:
+        bar.close()
         for fh in files.values():
             try:
                 fh.close()

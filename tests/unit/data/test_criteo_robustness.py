@@ -133,3 +133,17 @@ def test_full_disk_names_the_file(tsv, tmp_path):
     assert "\n" not in message
     assert not [p for p in os.listdir(out) if ".tmp-" in p]  # the partial files are gone
     assert load_or_preprocess(tsv, out, ROWS).num_rows == 2000  # with room, it works
+
+
+def test_a_large_file_announces_its_preprocessing(tmp_path, monkeypatch, capsys):
+    """Files of PROGRESS_BYTES or more say that they are being preprocessed (minutes of silence
+    otherwise); small ones stay quiet."""
+    import neorec.data.criteo as criteo
+
+    tsv = tmp_path / "day.tsv"
+    criteo.write_criteo_tsv(tsv, 200, seed=0)
+    criteo.preprocess_criteo(tsv, tmp_path / "quiet", num_embeddings=1000)
+    assert "preprocessing" not in capsys.readouterr().out
+    monkeypatch.setattr(criteo, "PROGRESS_BYTES", 1)
+    criteo.preprocess_criteo(tsv, tmp_path / "loud", num_embeddings=1000)
+    assert f"criteo: preprocessing {tsv} (0 MiB) into {tmp_path / 'loud'}" in capsys.readouterr().out
