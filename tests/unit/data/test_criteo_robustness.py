@@ -114,6 +114,8 @@ def test_empty_eval_set_is_refused(tsv, tmp_path):
                                          "data.criteo.eval_fraction"):
         CriteoSource(CriteoConfig(train_path=str(tiny), num_embeddings=ROWS, eval_fraction=0.1))
     assert CriteoSource(CriteoConfig(train_path=str(tiny), num_embeddings=ROWS, eval_fraction=0.25)).num_eval_samples() == 1
+    none = CriteoSource(CriteoConfig(train_path=str(tiny), num_embeddings=ROWS, eval_fraction=0.0))  # asks for none
+    assert none.num_eval_samples() == 0 and none.num_train_samples() == 4
 
 
 def test_full_disk_names_the_file(tsv, tmp_path):
