@@ -1,13 +1,14 @@
 """Small file helpers shared by the package: atomic writes (temp file, fsync, rename, fsync of the
-directory: a crash leaves the old file or the new one) and JSON files read with errors that name
-the file."""
+directory: a crash leaves the old file or the new one), JSON files read with errors that name the
+file, and exclusive locks between processes (``flock`` on a lock file)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
@@ -62,3 +63,37 @@ def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
     except OSError as exc:
         raise ValueError(f"{what} {str(p)!r} is not a writable directory: {exc.strerror or exc}") from None
     return p
+
+
+class LockHeld(Exception):
+    """``lock_file``: another process holds the lock; ``holder`` is its pid as it wrote it."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is locked by process {holder}")
+        self.holder = holder
+
+
+def lock_file(path: str | os.PathLike, on_wait: Optional[Callable[[str], None]] = None) -> int:
+    """Take an exclusive ``flock`` on ``path`` (created, with its folder); returns the descriptor
+    that holds it (``os.close`` releases it; the kernel does when the process ends) and writes this
+    process's pid into the file. Held by another process: raise ``LockHeld``, or with ``on_wait``
+    call ``on_wait(holder pid)`` and wait for it. Other failures (a file system without locks) are
+    ``OSError``s."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if on_wait is None:
+                raise LockHeld(path, holder) from None
+            on_wait(holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -20,7 +20,6 @@ the others wait and then use it.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -43,6 +42,7 @@ from neorec.data.criteo_tsv import (NUM_CATEGORICAL, NUM_COLUMNS, NUM_INTEGER, c
                                     parse_chunk, write_criteo_tsv)
 from neorec.data.source import EpochOrder, batch_ranges, check_batch_args, one_table_per_feature
 from neorec.embedding.config import TableConfig
+from neorec.files import lock_file
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 __all__ = ["CriteoSource", "CriteoArrays", "PreprocessStats", "preprocess_criteo", "load_or_preprocess",
@@ -205,29 +205,18 @@ def preprocessing_lock(tsv_path: str | os.PathLike, out_dir: str | os.PathLike) 
         yield
         return
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(lock_path, "a")
-    except OSError:
+        lock = lock_file(lock_path, on_wait=lambda holder: _notice(
+            f"criteo: waiting for another process preprocessing {tsv_path} into {out_dir} "
+            f"(it holds {lock_path})"))
+    except OSError:  # a read-only location, or a file system without locks
         lock = None
-    if lock is None:
-        yield
-        return
+    held.add(str(lock_path))
     try:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _notice(f"criteo: waiting for another process preprocessing {tsv_path} into {out_dir} "
-                    f"(it holds {lock_path})")
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        except OSError:  # a file system without locks
-            pass
-        held.add(str(lock_path))
-        try:
-            yield
-        finally:
-            held.discard(str(lock_path))
+        yield
     finally:
-        lock.close()  # releases the lock
+        held.discard(str(lock_path))
+        if lock is not None:
+            os.close(lock)  # releases the lock
 
 
 def remove_stale_temporaries(out_dir: str | os.PathLike) -> List[Path]:

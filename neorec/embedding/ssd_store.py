@@ -26,7 +26,6 @@ whenever about ``resident_budget_bytes`` have been touched.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import mmap
 import os
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 from neorec.embedding.storage import RowFormat, RowStore, row_format
+from neorec.files import LockHeld, lock_file, write_atomic
 
 _FORMAT = "neorec-row-store"
 _VERSION = 1
@@ -214,25 +214,15 @@ class SsdRowStore(RowStore):
 
 
 def _lock(path: Path) -> int:
-    """An exclusive ``flock`` on ``<parent>/.<name>.lock`` (beside the store, so that it outlives
-    the store directory being replaced); the descriptor holds it. Refused while another process
-    holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = path.parent / f".{path.name}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    """The store's exclusive lock, on ``<parent>/.<name>.lock`` (beside the store, so that it
+    outlives the store directory being replaced); the descriptor holds it. Refused while another
+    process holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise ValueError(f"row store {str(path)!r} is in use by another process (pid {holder}); two runs "
-                             f"must not share an SSD store: give this one another embedding.location.ssd_dir "
-                             f"(or train.output_dir)") from None
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+        return lock_file(path.parent / f".{path.name}.lock")
+    except LockHeld as held:
+        raise ValueError(f"row store {str(path)!r} is in use by another process (pid {held.holder}); two runs "
+                         f"must not share an SSD store: give this one another embedding.location.ssd_dir "
+                         f"(or train.output_dir)") from None
 
 
 def _allocate(file: Path, size: int, store: Path) -> None:
@@ -252,15 +242,9 @@ def _allocate(file: Path, size: int, store: Path) -> None:
 
 
 def _write_json(path: Path, data: Dict) -> None:
-    """Atomic and durable: the rename is synced too, so that after a power loss the store is not
+    """Atomic and durable (the rename synced with its folder): after a power loss the store is not
     found marked clean while its "unclean" mark had been written."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _fsync_dir(path: Path) -> None:
