@@ -185,8 +185,9 @@ class Checkpointer:
         resumed_here = resumed_step is not None and self.resumed_from is not None and (
             self.resumed_from.parent.resolve() == root.resolve())
         after = resumed_step if resumed_here else -1
-        candidates = sorted((p for p in root.iterdir() if p.is_dir() and (_step_of(p) or -1) > after
-                             and (p / MANIFEST).exists()), key=_step_of, reverse=True)
+        steps = {p: _step_of(p) for p in root.iterdir() if p.is_dir()}
+        candidates = sorted((p for p, step in steps.items() if step is not None and step > after
+                             and (p / MANIFEST).exists()), key=steps.get, reverse=True)
         for path in candidates:
             try:
                 verify_checkpoint(path)
