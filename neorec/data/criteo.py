@@ -28,6 +28,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Iterator, List
@@ -54,6 +55,7 @@ META_FILE = "meta.json"
 SHUFFLE_BLOCK_ROWS = 256
 DEFAULT_CHUNK_LINES = 2048
 PROGRESS_BYTES = 64 << 20  # files at least this large announce their preprocessing and show a bar
+MAX_LINE_BYTES = 1 << 20  # a Criteo line is a few hundred bytes; a longer one is not read whole
 OUTPUT_NAMES = ("dense.f32", "categorical.i32", "categorical.i64", "labels.u8", META_FILE)
 _TEMPORARY = re.compile(r"\.(.+)\.tmp-(\d+)")  # ".<name>.tmp-<pid>", see preprocess_criteo
 _held_locks = threading.local()  # the lock files this thread holds (the lock is reentrant)
@@ -120,9 +122,10 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
     try:
         with open(tsv_path, "rb") as f:
             while True:
-                lines = list(islice(f, chunk_lines))
+                lines = list(islice(iter(partial(f.readline, MAX_LINE_BYTES), b""), chunk_lines))
                 if not lines:
                     break
+                _refuse_long_line(tsv_path, lines, stats.num_lines)
                 buf = b"".join(lines)
                 del lines
                 parsed = parse_chunk(buf, stats.num_lines + 1, num_embeddings)
@@ -175,6 +178,15 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
         for p in tmp.values():
             p.unlink(missing_ok=True)
     return stats
+
+
+def _refuse_long_line(tsv_path: Path, lines: List[bytes], lines_before: int) -> None:
+    """A line of MAX_LINE_BYTES or more (read in pieces of that size, so a file without newlines
+    never sits in memory whole) is no Criteo line: stop with its number, whatever skip_malformed."""
+    for i, line in enumerate(lines):
+        if len(line) == MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise ValueError(f"{tsv_path}:{lines_before + i + 1}: a line of {MAX_LINE_BYTES:,} bytes or more "
+                             "(a Criteo line has a few hundred): not a Criteo TSV file?")
 
 
 @contextmanager

@@ -149,3 +149,22 @@ def test_a_large_file_announces_its_preprocessing(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(criteo, "PROGRESS_BYTES", 1)
     criteo.preprocess_criteo(tsv, tmp_path / "loud", num_embeddings=1000)
     assert f"criteo: preprocessing {tsv} (0 MiB) into {tmp_path / 'loud'}" in capsys.readouterr().out
+
+
+def test_a_line_too_long_to_be_criteo_is_refused_by_number(tmp_path, monkeypatch):
+    """A file with a line of MAX_LINE_BYTES or more (a binary file, a file without newlines) is
+    read in pieces of that size, never whole, and refused naming the line, even with
+    skip_malformed; lines just under the bound parse as before."""
+    import neorec.data.criteo as criteo
+
+    tsv = tmp_path / "day.tsv"
+    criteo.write_criteo_tsv(tsv, 50, seed=0)
+    lines = tsv.read_bytes().splitlines(keepends=True)
+    longest = max(len(line) for line in lines)
+    monkeypatch.setattr(criteo, "MAX_LINE_BYTES", longest)  # a line of exactly that many bytes ends in "\n"
+    assert criteo.preprocess_criteo(tsv, tmp_path / "ok", num_embeddings=1000).num_rows == 50
+    bad = tmp_path / "bad.tsv"
+    bad.write_bytes(b"".join(lines[:7]) + b"1\t" * (5 * longest) + b"".join(lines[7:]))
+    for skip in (False, True):
+        with pytest.raises(ValueError, match=rf"bad.tsv:8: a line of {longest:,} bytes or more"):
+            criteo.preprocess_criteo(bad, tmp_path / f"bad{skip}", num_embeddings=1000, skip_malformed=skip)
