@@ -196,16 +196,39 @@ def _train_distributed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_on_rank_0(context, make_plan) -> str:
+    """The plan JSON of ``make_plan()`` run on rank 0 alone, on every rank (ranks of other nodes
+    may see other calibration files: planning on each would give different plans). A planning
+    error on rank 0 is raised on every rank, so none waits for a plan that never comes."""
+    from neorec.train.distributed import broadcast_text
+
+    group, device = context.embedding_group, context.device
+    if not context.is_main:
+        text = broadcast_text(None, group, device)
+        if text.startswith("error:"):
+            raise ValueError(f"rank 0 could not plan: {text[len('error:'):]}")
+        return text
+    try:
+        text = make_plan()
+    except Exception as exc:
+        broadcast_text(f"error:{exc}", group, device)
+        raise
+    return broadcast_text(text, group, device)
+
+
 def _fit_distributed(cfg, context, plan, resume=None):
     from neorec.train.trainer import Trainer
 
     source = None
-    if plan == "auto":  # the cost-model planner for this world (deterministic: same plan on every rank)
+    if plan == "auto":  # the cost-model planner for this world, run on rank 0 and sent to the others
         from neorec.data import make_data_source
         from neorec.planner.cli import plan_for_training
+        from neorec.sharding.plan import ShardingPlan
 
         source = make_data_source(cfg.data)
-        plan = plan_for_training(cfg, source, context.world_size, context.local_world_size)
+        plan = _plan_on_rank_0(context, lambda: plan_for_training(cfg, source, context.world_size,
+                                                                  context.local_world_size).to_json())
+        plan = ShardingPlan.from_json(plan)
     trainer = Trainer(cfg, source=source, distributed=context, plan=plan, resume=resume)
     if context.is_main:
         _print_header(cfg, trainer)

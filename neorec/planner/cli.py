@@ -185,8 +185,8 @@ def _print_ranks(result, all_ranks: bool) -> None:
 def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     """``neorec train --plan auto``: plan the config's tables for the live world. Pooling factors
     come from the first training batch; the topology from the local-cpu calibration when it
-    exists (the same file on every rank), else nominal CPU numbers. Deterministic (a fixed number
-    of search rounds, no time limit), so every rank computes the same plan."""
+    exists, else nominal CPU numbers. Deterministic (a fixed number of search rounds, no time
+    limit); training runs it on rank 0 and sends the plan to the others."""
     from neorec.planner.cost_model import PlanSettings, TableSpec
     from neorec.planner.planner import plan_tables
     from neorec.planner.topology import Topology, default_calibration_path

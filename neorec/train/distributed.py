@@ -188,6 +188,20 @@ def all_reduce_sum(value: float, group: Any, device: torch.device) -> float:
     return float(tensor)
 
 
+def broadcast_text(text: Optional[str], group: Any, device: torch.device, src: int = 0) -> str:
+    """Rank ``src``'s ``text`` (UTF-8, any length) on every rank; the others pass None. Plain
+    bytes in a tensor, never a pickle."""
+    rank = dist.get_rank(group)
+    data = (text or "").encode() if rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
+    if rank == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.cpu().numpy()).decode()
+
+
 def gather_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Concatenate the 1-D ``tensor`` of every rank (sizes may differ), in rank order."""
     world = dist.get_world_size(group)

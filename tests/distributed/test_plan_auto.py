@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import workers
+from harness import run_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
 SMALL = ["--set", "data.synthetic.num_train_samples=2000", "--set", "data.synthetic.num_eval_samples=500",
@@ -26,3 +29,14 @@ def test_train_with_plan_auto(tmp_path):
     assert "distributed: 2 ranks (gloo)" in run.stdout and run.stdout.count("final eval: AUC") == 1
     final = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["kind"] == "final" and final["step"] == 3
+
+
+def test_plan_auto_is_made_on_rank_0_and_sent_to_the_others(tmp_path):
+    """Ranks of other nodes may read other calibration files: rank 0 plans alone and every rank
+    trains on its plan; a planning error on rank 0 stops every rank with it instead of leaving
+    the others waiting."""
+    plans = run_ranks(workers.plan_on_rank_0, 3, tmp_path / "ok", args=(False,), timeout=60)
+    assert plans == ["plan of rank 0 " + "é" * 1000] * 3
+    errors = run_ranks(workers.plan_on_rank_0, 3, tmp_path / "fail", args=(True,), timeout=60)
+    assert errors == ["raised: table 't0' fits no rank (planned on rank 0)"] + \
+        ["raised: rank 0 could not plan: table 't0' fits no rank (planned on rank 0)"] * 2

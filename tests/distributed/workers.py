@@ -145,3 +145,22 @@ def deadlock(rank: int, world: int, group) -> None:
         dist.barrier(group)
     else:
         time.sleep(120)
+
+
+def plan_on_rank_0(rank: int, world: int, group, fail: bool) -> str:
+    """``neorec train --plan auto``'s planning step with a planner whose answer differs per rank
+    (as with other calibration files on other nodes); returns the plan text, or the error."""
+    from types import SimpleNamespace
+
+    from neorec.cli import _plan_on_rank_0
+
+    context = SimpleNamespace(is_main=rank == 0, embedding_group=group, device=torch.device("cpu"))
+
+    def make_plan() -> str:
+        if fail:
+            raise ValueError(f"table 't0' fits no rank (planned on rank {rank})")
+        return f"plan of rank {rank} " + "é" * 1000  # any length, any UTF-8
+    try:
+        return _plan_on_rank_0(context, make_plan)
+    except ValueError as exc:
+        return f"raised: {exc}"
