@@ -29,6 +29,9 @@ from neorec.embedding.optimizers import STATE_LAYOUT
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.train.checkpoint_files import dequantize_rows, quantize_rows
 
+OFF_DEVICE_CHECKPOINTS = ("checkpoints of cached / off-device embedding tables (embedding.location) are not "
+                          "supported yet; train with every table on the device to use [checkpoint] or --resume")
+
 
 @dataclass
 class LocalPiece:
@@ -51,8 +54,7 @@ def model_pieces(sparse_arch, rank: int) -> Tuple[Optional[TableBatchedEmbedding
     from neorec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 
     if isinstance(sparse_arch, CachedEmbeddingBagCollection):
-        raise ValueError("checkpoints of cached / off-device embedding tables (embedding.location) are not "
-                         "supported yet; train with every table on the device to use [checkpoint]")
+        raise ValueError(OFF_DEVICE_CHECKPOINTS)
     if isinstance(sparse_arch, EmbeddingBagCollection):
         return sparse_arch.tbe, [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, True)
                                  for t in sparse_arch.tables]

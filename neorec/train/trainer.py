@@ -32,6 +32,7 @@ from neorec.files import ensure_writable_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
+from neorec.train.checkpoint_tables import OFF_DEVICE_CHECKPOINTS
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
 from neorec.train.pipeline import TrainPipeline, plain_steps
@@ -184,6 +185,9 @@ class Trainer:
         self.source = source if source is not None else make_data_source(cfg.data)
         if distributed is not None and cfg.embedding.location.any_off_device():
             raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
+        if (cfg.checkpoint.dir or resume is not None) and cfg.embedding.location.any_off_device():
+            # refused before build_model, which replaces the SSD stores: their rows are the only copy
+            raise ValueError(OFF_DEVICE_CHECKPOINTS)
         self.model = build_model(cfg, self.source, self.device)
         self.plan = None
         if cfg.train.profile and distributed is not None and comm_stats is None:

@@ -366,3 +366,23 @@ def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
     assert rewound.step == 5 and "step-000000006 is incomplete or corrupt" in rewound.out.getvalue()
     # keep_last=1 among this run's own: step 4 (resumed from) pruned, step 5 kept; the corrupt 6 left alone
     assert sorted(p.name for p in root.iterdir()) == ["step-000000005", "step-000000006"]
+
+
+def test_checkpoints_of_cached_tables_are_refused_before_their_ssd_stores_are_touched(tmp_path):
+    """Checkpoints do not cover cached tables yet, so their SSD stores hold the only copy of the
+    trained rows: a run asking for checkpoints (or --resume) is refused before it builds the model,
+    which would replace those stores with fresh rows."""
+    cached = ["embedding.location.default='cached_ssd'", "embedding.location.min_rows=100",
+              f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'"]
+    first = make_trainer(tmp_path, *cached, "train.max_steps=3")
+    first.fit()
+    for cache in first.model.sparse_arch.caches.values():
+        cache.close()
+    stores = sorted((tmp_path / "ssd").glob("*/rows.bin"))
+    assert stores
+    trained = [p.read_bytes() for p in stores]
+    (tmp_path / "other").mkdir()
+    for extra, resume in (([f"checkpoint.dir='{tmp_path / 'ckpt'}'"], None), ([], str(tmp_path / "other"))):
+        with pytest.raises(ValueError, match="checkpoints of cached / off-device embedding tables"):
+            make_trainer(tmp_path, *cached, *extra, resume=resume)
+        assert [p.read_bytes() for p in stores] == trained
