@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -45,6 +46,11 @@ from neorec.embedding.storage import DramRowStore, RowStore
 from neorec.embedding.tbe import _INIT_CHUNK, TableBatchedEmbeddingBags
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
+
+
+def _store_seed(seed: int, table: str) -> int:
+    """The rounding seed of table ``table``'s store: tables of one location seed draw unrelated noise."""
+    return (int(seed) * 1_000_003 + zlib.crc32(table.encode())) % 2**63
 
 
 class _InitStream:
@@ -145,6 +151,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._state_widths = {t.name: {n: (1 if per == "row" else t.embedding_dim) for n, per in STATE_LAYOUT[kind]}
                               for t in self.tables}
         stores = self._initialize(init_seed, initial, cached)
+        self._restore_step(stores)
         self.caches: Dict[str, SetAssociativeCache] = {}
         for table in cached:
             location = self.locations[table.name]
@@ -212,7 +219,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         counts = location.policy == "lfu"
         if location.kind == "cached_dram":
             store = DramRowStore(table.num_embeddings, table.embedding_dim, location.precision, state, counts,
-                                 location.stochastic_rounding, location.seed, name=table.name)
+                                 location.stochastic_rounding, _store_seed(location.seed, table.name), name=table.name)
             fill(store)
             return store
         budget = location.resident_budget_mb << 20
@@ -226,8 +233,20 @@ class CachedEmbeddingBagCollection(nn.Module):
                                  f"state, LFU counts) = {found}, the table needs {expected}")
             return store
         return SsdRowStore.create(location.path, table.num_embeddings, table.embedding_dim, location.precision,
-                                  state, counts, location.stochastic_rounding, location.seed, fill=fill,
+                                  state, counts, location.stochastic_rounding, _store_seed(location.seed, table.name), fill=fill,
                                   overwrite=location.overwrite, resident_budget_bytes=budget)
+
+    def _restore_step(self, stores: Dict[str, RowStore]) -> None:
+        """Reopened stores carry on from the optimizer step of their last flush (Adam's bias
+        correction depends on it); stores of one model saved at different steps are refused."""
+        steps = {name: stores[name].training_state.get("optimizer_step", 0) for name, location in
+                 self.locations.items() if location.kind == "cached_ssd" and location.open_existing}
+        if len(set(steps.values())) > 1:
+            raise ValueError(f"the reopened row stores were flushed at different optimizer steps {steps}: they "
+                             "are not one model's; reopen stores flushed together")
+        for module in (self.tbe, self.host_tbe):
+            if steps and module is not None:
+                module.step.fill_(next(iter(steps.values())))
 
     @torch.no_grad()
     def _initialize(self, seed: int, initial_state: float, cached: List[TableConfig]) -> Dict[str, RowStore]:
@@ -384,8 +403,10 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------------------ rows, state, stats
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to its store and make the
-        stores durable. Between a forward and its backward the in-flight rows stay dirty."""
+        stores durable, with the optimizer step (a reopened store goes on from it). Between a
+        forward and its backward the in-flight rows stay dirty."""
         for cache in self.caches.values():
+            cache.store.training_state["optimizer_step"] = int(self.tbe.step)
             cache.flush(in_flight=self._pending_update)
 
     def close(self) -> None:

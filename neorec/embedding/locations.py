@@ -62,7 +62,8 @@ class TableLocation:
     ways: slots per set (fewer when the cache is smaller than one set).
     policy: "lru" or "lfu" (LFU keeps per-row access counts in the store).
     precision: row precision in the store ("fp32", "fp16", "bf16", "int8"); the cache is fp32.
-    stochastic_rounding, seed: rounding of low-precision write-backs.
+    stochastic_rounding, seed: rounding of low-precision write-backs (each table's store seeds
+        its generator from ``seed`` and the table's name).
     path: cached_ssd only: the store directory.
     open_existing: cached_ssd only: reopen the store at ``path`` (rows and optimizer state come
         from it) instead of creating and initialising it.

@@ -8,7 +8,8 @@ larger than memory trains through a cache with bounded resident memory.
 Record layout, precisions and the read/write API are those of ``RowStore`` (``storage.py``).
 
 SSD store files: ``<path>/rows.bin`` (the records) and ``<path>/meta.json`` (format, shape,
-precision, fields, whether the rows were flushed). Creation is atomic (built in a temporary
+precision, fields, whether the rows were flushed, and as of the last flush the trainer's
+``training_state`` (the optimizer step) and the stochastic-rounding generator's state). Creation is atomic (built in a temporary
 directory, fsynced, renamed) and allocates the whole file up front (``posix_fallocate``), so a
 full disk is an error at creation, not a SIGBUS when a row is first written. One process at a time:
 an open store holds an exclusive lock (``flock`` on ``<parent>/.<name>.lock``, released by the
@@ -81,6 +82,9 @@ class SsdRowStore(RowStore):
         super().__init__(torch.from_numpy(array), fmt, bool(meta["stochastic_rounding"]), meta["seed"],
                          name or self.path.name)
         self._clean = bool(meta["clean"])
+        self.training_state = dict(meta.get("training", {}))
+        if meta.get("rounding_state"):  # go on with the noise where the last flush left it
+            self._generator.set_state(torch.tensor(list(bytes.fromhex(meta["rounding_state"])), dtype=torch.uint8))
         self._touched_bytes = 0
         self.releases = 0
         self._lock = lock  # None for a store being built (its creator holds the lock)
@@ -178,13 +182,17 @@ class SsdRowStore(RowStore):
 
     # ------------------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
-        """msync the mapping, fsync the file, then mark the store clean."""
+        """msync the mapping, fsync the file, then mark the store clean, with its
+        ``training_state`` and the stochastic-rounding generator's state (a reopened store goes on
+        with both)."""
         self._check_open()
         self._map.flush()
         os.fsync(self._file.fileno())
-        if not self._clean:
+        meta = dict(self._meta, clean=True, training=dict(self.training_state),
+                    rounding_state=bytes(self._generator.get_state().tolist()).hex())
+        if meta != self._meta:
             self._clean = True
-            self._meta["clean"] = True
+            self._meta = meta
             _write_json(self.path / "meta.json", self._meta)
 
     def _close_map(self) -> None:

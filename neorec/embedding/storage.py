@@ -144,6 +144,8 @@ class RowStore:
             self._generator.manual_seed(int(seed))
         self.rows_read = self.rows_written = self.bytes_read = self.bytes_written = 0
         self.closed = False
+        # kept with the rows by their trainer (the optimizer step); an SSD store saves it on flush
+        self.training_state: Dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ checks
     def _where(self) -> str:

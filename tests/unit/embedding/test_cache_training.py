@@ -160,8 +160,9 @@ def test_backward_after_a_later_forward_raises_before_updating(tmp_path):
     assert torch.equal(before, cached.tbe.weights)
 
 
-def test_ssd_write_back_loses_nothing_and_reopened_stores_continue_training(tmp_path):
-    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])  # Adam: the step carries on too
+def test_ssd_write_back_loses_nothing_and_reopened_stores_continue_training(tmp_path, kind):
+    optimizer = SparseOptimizerConfig(kind, 0.1)
     everywhere = {t.name: TableLocation("cached_ssd", cache_rows=16, ways=4, path=str(tmp_path / t.name))
                   for t in TABLES}
     reference = EmbeddingBagCollection(TABLES, optimizer, init_seed=2)
@@ -174,7 +175,9 @@ def test_ssd_write_back_loses_nothing_and_reopened_stores_continue_training(tmp_
         ids = torch.arange(table.num_embeddings)
         rows, state = store.read(ids)
         assert torch.equal(rows, reference.tbe.get_table_weight(table.name)), table.name
-        assert torch.equal(state["momentum1"], reference.tbe.get_optimizer_state(table.name)["momentum1"])
+        for name, value in reference.tbe.get_optimizer_state(table.name).items():
+            assert torch.equal(state[name], value), (table.name, name)
+        assert store.training_state == {"optimizer_step": 10}
         store.close()
     reopened = {name: TableLocation("cached_ssd", cache_rows=64, ways=8, path=loc.path, open_existing=True)
                 for name, loc in everywhere.items()}
@@ -184,9 +187,36 @@ def test_ssd_write_back_loses_nothing_and_reopened_stores_continue_training(tmp_
                                          r"table needs .*True\)"):
         CachedEmbeddingBagCollection(TABLES, optimizer, locations=lfu)  # an LRU store has no access counts
     resumed = CachedEmbeddingBagCollection(TABLES, optimizer, locations=reopened, init_seed=99)
+    assert resumed.tbe.step_count == 10
     train_both(reference, resumed, batches[10:], prefetch=False)
     assert_same_tables(reference, resumed)
     resumed.close()
+
+
+def test_reopened_stores_of_different_steps_are_refused_and_rounding_noise_goes_on(tmp_path):
+    """Stores flushed at different optimizer steps are not one model's; a reopened fp16 store
+    draws the stochastic-rounding noise that follows its last flush, not the first session's."""
+    optimizer = SparseOptimizerConfig("adam", 0.1)
+    tables = TABLES[2:]
+    paths = {t.name: str(tmp_path / t.name) for t in tables}
+    made = {n: TableLocation("cached_ssd", cache_rows=16, ways=4, path=p, precision="fp16") for n, p in paths.items()}
+    first = CachedEmbeddingBagCollection(tables, optimizer, locations=made)
+    train_both(EmbeddingBagCollection(tables, optimizer), first, make_batches(4), prefetch=False,
+               check_each_step=False)
+    first.close()
+    store = SsdRowStore.open(paths["big"])
+    after_flush = store._generator.get_state()
+    assert not torch.equal(after_flush, torch.Generator().manual_seed(0).get_state())  # it drew noise
+    store.training_state["optimizer_step"] = 3  # as if flushed alone, a step earlier
+    store._before_write()
+    store.close()
+    reopened = {n: TableLocation("cached_ssd", cache_rows=16, ways=4, path=p, precision="fp16", open_existing=True)
+                for n, p in paths.items()}
+    with pytest.raises(ValueError, match=r"flushed at different optimizer steps \{'big': 3, 'wide': 4\}"):
+        CachedEmbeddingBagCollection(tables, optimizer, locations=reopened)
+    store = SsdRowStore.open(paths["big"])
+    assert torch.equal(store._generator.get_state(), after_flush)
+    store.close()
 
 
 def test_dram_tables_on_a_separate_host_module_equal_uncached(tmp_path):
@@ -316,3 +346,13 @@ def test_a_bad_prefetch_is_refused_when_named_and_spoils_no_forward(tmp_path):
     out_ref.sum().backward()
     out.sum().backward()
     assert_same_tables(reference, cached)
+
+
+def test_tables_of_one_location_seed_draw_unrelated_rounding_noise(tmp_path):
+    placed = {name: TableLocation("cached_dram", cache_rows=16, ways=4, precision="int8", seed=7)
+              for name in ("big", "wide")}
+    cached = CachedEmbeddingBagCollection(TABLES, SparseOptimizerConfig("sgd", 0.1), locations=placed)
+    seeds = {name: cache.store._generator.initial_seed() for name, cache in cached.caches.items()}
+    assert seeds["big"] != seeds["wide"]
+    again = CachedEmbeddingBagCollection(TABLES, SparseOptimizerConfig("sgd", 0.1), locations=placed)
+    assert seeds == {name: cache.store._generator.initial_seed() for name, cache in again.caches.items()}
