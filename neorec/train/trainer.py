@@ -111,13 +111,17 @@ def make_dense_optimizer(cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Pa
 class MetricsLog:
     """Append-only JSON-lines file; each record is flushed as it is written.
 
-    A new run starts the file afresh. ``continue_after_step`` (a run resumed at that step) keeps
-    the existing file's records up to that step and appends after them: the records a crashed
-    run wrote past its last checkpoint are dropped, since those steps are trained again."""
+    A new run starts the file afresh (``replaced`` says whether it held records). ``continue_after_step``
+    (a run resumed at that step) keeps the existing file's records up to that step and appends
+    after them: the records a crashed run wrote past its last checkpoint are dropped, since those
+    steps are trained again, and the ``final`` record of a run that ended there becomes the
+    ``eval`` record it is (in ``epoch``: the epoch of that step); the resumed run writes its own
+    ``final``."""
 
-    def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None) -> None:
+    def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None, epoch: int = 0) -> None:
         self.path = path
         self._file: Optional[TextIO] = None
+        self.replaced = False
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,8 +134,16 @@ class MetricsLog:
                     continue
                 if isinstance(record, dict) and isinstance(record.get("step"), int) \
                         and record["step"] <= continue_after_step:
+                    if record.get("kind") == "final":
+                        if "auc" not in record:  # the run had no eval set
+                            continue
+                        for key in ("samples", "train_seconds", "qps"):
+                            record.pop(key, None)
+                        line = json.dumps(dict(record, kind="eval", epoch=epoch), sort_keys=True)
                     kept.append(line + "\n")
             write_atomic(path, "".join(kept))
+        else:
+            self.replaced = path.is_file() and path.stat().st_size > 0
         self._file = path.open("a" if kept else "w")
 
     def write(self, record: Dict[str, Any]) -> None:
@@ -253,7 +265,7 @@ class Trainer:
     def _check_finite(self, value: float) -> None:
         if not math.isfinite(value):
             raise NonFiniteLossError(
-                f"training loss is {value} at step {self.step}; stopping before the update is applied "
+                f"training loss is {value} at step {self.step + 1}; stopping before the update is applied "
                 f"(lower the learning rates, check the input features for NaN/inf)"
             )
 
@@ -311,7 +323,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train for ``train.epochs`` epochs (or ``train.max_steps`` steps, whichever ends first),
         then evaluate. Training QPS counts training samples over training wall time (data
-        loading included, evaluation excluded)."""
+        loading and checkpoint saves included, evaluation excluded), in the ``train`` records as
+        in the ``final`` one."""
         cfg = self.cfg.train
         writes = self.output_dir if self.is_main else None  # rank 0 alone logs
         global_batch_size = self.cfg.data.batch_size * self.world_size
@@ -321,7 +334,12 @@ class Trainer:
             position = self.checkpointer.start(self.resume, steps_per_epoch)
             epoch, batch_in_epoch = position.epoch, position.batch_in_epoch
         # a resumed run continues the log of the run it resumes (records past its step are dropped)
-        log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None)
+        last_epoch_trained = epoch - 1 if batch_in_epoch == 0 and epoch > 0 else epoch
+        log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None,
+                         epoch=last_epoch_trained)
+        if log.replaced:
+            print(f"train.output_dir {writes}: replacing the metrics.jsonl and config.json of an earlier run",
+                  file=self.out, flush=True)
         if writes:
             writes.mkdir(parents=True, exist_ok=True)
             write_atomic(writes / "config.json", self.cfg.to_json())
@@ -344,7 +362,11 @@ class Trainer:
                                     depth=self.cfg.data.prefetch_batches) as loader:
                     remaining = cfg.max_steps - self.step if cfg.max_steps else None
                     for batch, size, hooks in self._steps(loader, remaining):
-                        loss = self.train_step(batch, size, hooks)
+                        try:
+                            loss = self.train_step(batch, size, hooks)
+                        except NonFiniteLossError as exc:
+                            log.write({"kind": "error", "step": self.step + 1, "epoch": epoch, "message": str(exc)})
+                            raise
                         if self.timeline is not None:
                             self.timeline.end_step(time.perf_counter() - step_start)
                         samples += size
@@ -360,16 +382,21 @@ class Trainer:
                             self._log_train(log, bar, window, epoch)
                         if stop:
                             break
-                        if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0:
-                            eval_seconds += self._eval_and_log(log, bar, epoch)
-                            window["start"] = time.perf_counter()
+                        if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0 \
+                                and self.step != total_steps:  # the last step's eval is the final one
+                            spent = self._eval_and_log(log, bar, epoch)
+                            eval_seconds += spent
+                            window["start"] += spent  # the window's QPS counts training time only
                         step_start = time.perf_counter()
                 if self.step == 0:
                     raise ValueError("the training data yielded no batches")
+                if window["steps"] and not stop:  # the epoch's last steps: a record of their own
+                    self._log_train(log, bar, window, epoch)
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
                 if not stop and not cfg.eval_every_steps and not last_epoch:
-                    eval_seconds += self._eval_and_log(log, bar, epoch)
-                    window["start"] = time.perf_counter()
+                    spent = self._eval_and_log(log, bar, epoch)
+                    eval_seconds += spent
+                    window["start"] += spent
                 epoch, batch_in_epoch = epoch + 1, 0
             if self.checkpointer is not None:
                 self.checkpointer.finish()

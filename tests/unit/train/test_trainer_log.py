@@ -1,0 +1,107 @@
+"""The trainer's metrics log: window QPS counts training time only, each epoch's last steps get a
+train record of their own, the last step is evaluated once, a resumed run's log holds one final
+record, a non-finite loss leaves an error record, replacing an earlier run's log is said.
+
+    python -m pytest tests/unit/train/test_trainer_log.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+import neorec.train.trainer as trainer_module
+from neorec.config import load_config
+from neorec.train.trainer import NonFiniteLossError, Trainer
+
+# 1000 samples / 128 = 8 steps per epoch
+SMALL = ["data.synthetic.num_train_samples=1000", "data.synthetic.num_eval_samples=200", "data.batch_size=128",
+         "data.eval_batch_size=200", "train.epochs=2", "train.progress=false", "train.eval_every_steps=0",
+         "model.embedding_dim=4", "model.dense_layers=[8, 4]", "data.synthetic.num_embeddings=[60, 200, 400, 30]",
+         "train.log_every_steps=3"]
+
+
+def make_trainer(tmp_path, *overrides, resume=None, out=None):
+    cfg = load_config("configs/tiny.toml", SMALL + [f"train.output_dir='{tmp_path / 'run'}'", *overrides])
+    return Trainer(cfg, out=out or io.StringIO(), resume=resume)
+
+
+def read_log(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+class FakeClock:
+    """The trainer's clock: a step takes 1 s, an evaluation 100 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_path, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
+    step, evaluate = Trainer.train_step, Trainer.evaluate
+
+    def timed_step(self, *args, **kwargs):
+        clock.now += 1.0
+        return step(self, *args, **kwargs)
+
+    def timed_eval(self, *args, **kwargs):
+        clock.now += 100.0
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(Trainer, "evaluate", timed_eval)
+    make_trainer(tmp_path, "train.eval_every_steps=4").fit()
+    records = read_log(tmp_path)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [(r["step"], r["epoch"]) for r in train] == [(3, 0), (6, 0), (8, 0), (9, 1), (12, 1), (15, 1), (16, 1)]
+    # full batches: 128 samples a second; the last batch of an epoch has 1000 - 7 * 128 = 104
+    assert [round(r["qps"], 6) for r in train] == [128.0, 128.0, 116.0, 128.0, 128.0, 128.0, 104.0]
+    evals = [r["step"] for r in records if r["kind"] == "eval"]
+    assert evals == [4, 8, 12]  # step 16 is the last: its evaluation is the final one
+    final = records[-1]
+    assert final["kind"] == "final" and final["step"] == 16 and final["train_seconds"] == 16.0
+
+
+def test_a_resumed_run_has_one_final_record_and_keeps_the_earlier_end_as_an_eval(tmp_path):
+    ckpt = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=4"]
+    make_trainer(tmp_path, "train.epochs=1", *ckpt).fit()
+    make_trainer(tmp_path, *ckpt, resume=str(tmp_path / "ckpt")).fit()
+    records = read_log(tmp_path)
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] != "train"] == [("eval", 8), ("final", 16)]
+    earlier = records[[r["kind"] for r in records].index("eval")]
+    assert earlier["epoch"] == 0 and 0 < earlier["auc"] < 1 and "qps" not in earlier
+
+
+def test_a_non_finite_loss_names_its_step_and_leaves_an_error_record(tmp_path):
+    trainer = make_trainer(tmp_path)
+    calls = {"n": 0}
+    loss_fn = trainer.loss_fn
+
+    def nan_at_third(logits, labels):
+        calls["n"] += 1
+        loss = loss_fn(logits, labels)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    trainer.loss_fn = nan_at_third
+    with pytest.raises(NonFiniteLossError, match="training loss is nan at step 3;"):
+        trainer.fit()
+    last = read_log(tmp_path)[-1]
+    assert last["kind"] == "error" and last["step"] == 3 and "loss is nan at step 3" in last["message"]
+    assert trainer.step == 2  # the update of step 3 never ran
+
+
+def test_a_new_run_says_that_it_replaces_an_earlier_runs_log(tmp_path):
+    first, second = io.StringIO(), io.StringIO()
+    make_trainer(tmp_path, "train.max_steps=2", out=first).fit()
+    assert "replacing" not in first.getvalue()
+    make_trainer(tmp_path, "train.max_steps=2", out=second).fit()
+    assert f"train.output_dir {tmp_path / 'run'}: replacing the metrics.jsonl" in second.getvalue()
+    assert [r["kind"] for r in read_log(tmp_path)] == ["train", "final"]
