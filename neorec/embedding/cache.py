@@ -302,6 +302,8 @@ class SetAssociativeCache:
         victim_slots, victim_rows = slots[valid], old[valid]
         victim_dirty = self.dirty.index_select(0, victim_slots)
         victim_counts = self.counts.index_select(0, victim_slots)
+        old_dirty, old_counts = self.dirty.index_select(0, slots), self.counts.index_select(0, slots)
+        old_use = self.last_use.index_select(0, slots)
         self.stats.evictions += victim_slots.numel()
         self.slot_rows[slots] = rows
         self.dirty[slots] = False
@@ -310,14 +312,20 @@ class SetAssociativeCache:
         self.stats.bytes_loaded += rows.numel() * self._row_bytes
 
         def move() -> None:
-            self._write_back(victim_slots, victim_rows, victim_dirty, victim_counts)
-            cpu_rows = rows.cpu()
-            values, state = self.store.read(cpu_rows)
+            try:  # the slots' data changes only after both store calls succeeded
+                self._write_back(victim_slots, victim_rows, victim_dirty, victim_counts)
+                cpu_rows = rows.cpu()
+                values, state = self.store.read(cpu_rows)
+                counts = self.store.read_counts(cpu_rows) if self._store_counts else None
+            except BaseException:  # the slots still hold their old rows: say so again
+                self.slot_rows[slots], self.dirty[slots] = old, old_dirty
+                self.counts[slots], self.last_use[slots] = old_counts, old_use
+                raise
             self.weights.index_copy_(0, slots, values.to(self.device))
             for name, value in state.items():
                 self.state[name].index_copy_(0, slots, value.to(self.device))
-            if self._store_counts:
-                self.counts.index_copy_(0, slots, self.store.read_counts(cpu_rows).to(self.device))
+            if counts is not None:
+                self.counts.index_copy_(0, slots, counts.to(self.device))
 
         if background and self._executor is not None:
             self._pending = self._executor.submit(move)

@@ -71,8 +71,9 @@ def stochastic_round_fp16(values: torch.Tensor, generator: Optional[torch.Genera
     the result is exactly representable in fp16. Below 2^-14 (fp16 subnormals, spacing 2^-24)
     ``|x| + 2^-14`` lies in [2^-14, 2^-13), whose spacing is also 2^-24: round that the same way
     and subtract 2^-14 again (the fp32 add is exact up to 2^-37, i.e. 2^-13 of an fp16 step).
-    The sign is put back at the end. Beyond the fp16 range the result is inf, as with
-    round-to-nearest; NaN stays NaN. Branch-free (no data-dependent indexing).
+    The sign is put back at the end. Beyond 65504, fp16's largest value, the result may be inf
+    (round-to-nearest gives inf from 65520 on); NaN stays NaN. Branch-free (no data-dependent
+    indexing).
     """
     if values.dtype != torch.float32:
         raise TypeError(f"stochastic_round_fp16 expects fp32 values, got {values.dtype}")

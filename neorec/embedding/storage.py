@@ -30,6 +30,7 @@ The SSD store (``SsdRowStore``) lives in ``ssd_store.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -39,6 +40,8 @@ from neorec.embedding.precision import stochastic_round_bf16, stochastic_round_f
 
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _PAYLOAD_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
+# the largest magnitude each payload precision holds (beyond it a row would be stored as inf)
+_FINITE_LIMIT = {"fp16": float(torch.finfo(torch.float16).max), "bf16": float(torch.finfo(torch.bfloat16).max)}
 _INIT_ROWS_BYTES = 1 << 24  # rows per write_range chunk when filling a store: about this many bytes
 
 
@@ -173,8 +176,17 @@ class RowStore:
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise ValueError(f"{self._where()}: rows must be [{count}, {self.dim}], got {shape}")
         rows = rows.to("cpu", torch.float32)
-        if not bool(torch.isfinite(rows).all()):
+        largest = float(rows.abs().amax()) if rows.numel() else 0.0
+        if not math.isfinite(largest):
             raise ValueError(f"{self._where()}: rows hold NaN or inf; refusing to store them")
+        limit = _FINITE_LIMIT.get(self.precision)
+        if limit is not None and largest > limit:
+            raise ValueError(f"{self._where()}: a row holds {largest:.6g}, beyond the largest {self.precision} value "
+                             f"({limit:.6g}); refusing to store it as inf (keep this table's rows in fp32)")
+        if self.precision == "int8" and largest > 1e38 and \
+                not bool(torch.isfinite(rows.amax(dim=1) - rows.amin(dim=1)).all()):
+            raise ValueError(f"{self._where()}: a row's values span more than the fp32 range, so its int8 "
+                             "scale would be inf; refusing to store it (keep this table's rows in fp32)")
         return rows
 
     def _state(self, state: Mapping[str, torch.Tensor], count: int) -> Dict[str, torch.Tensor]:

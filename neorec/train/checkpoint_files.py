@@ -78,6 +78,10 @@ def quantize_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tenso
     else:
         minimum = x.amin(dim=1)
         scale = (x.amax(dim=1) - minimum) / levels
+        if not bool(torch.isfinite(scale).all()):
+            row = int((~torch.isfinite(scale)).nonzero()[0])
+            raise ValueError(f"quantize_rows: row {row} holds NaN or inf, or values spanning more than the fp32 "
+                             f"range; it cannot be stored in {bits} bits (save this table's rows unquantized)")
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round((x - minimum[:, None]) / safe[:, None]).clamp_(0, levels).to(torch.uint8)
     per_byte = 8 // bits

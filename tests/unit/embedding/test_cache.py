@@ -187,3 +187,27 @@ def test_constructor_errors():
         SetAssociativeCache(store, torch.zeros(4, DIM + 1), {"momentum1": torch.zeros(4)}, ways=2)
     with pytest.raises(ValueError, match="state fields"):
         SetAssociativeCache(store, torch.zeros(4, DIM), {}, ways=2)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_row_the_store_cannot_hold_is_refused_and_the_cache_stays_consistent(background):
+    """fp16 rows hold at most 65504: a cached row grown past it is refused at write-back (it was
+    stored as inf), and the failed load leaves every slot holding the row it says it holds."""
+    from neorec.embedding import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.cached import CachedEmbeddingBagCollection
+    from neorec.embedding.locations import TableLocation
+    from neorec.sparse import KeyedJaggedTensor
+
+    location = TableLocation("cached_dram", cache_rows=1, ways=1, precision="fp16", background_prefetch=background)
+    cached = CachedEmbeddingBagCollection([TableConfig("t", 64, 4)], SparseOptimizerConfig("sgd", 1.0),
+                                          locations={"t": location})
+    batch = lambda row: KeyedJaggedTensor(["t"], torch.tensor([row]), torch.tensor([1]))  # noqa: E731
+    (cached(batch(0)).values * -7e4).sum().backward()  # row 0 is now about 70000: fine in the fp32 cache
+    big = cached.table_weight("t")[0].clone()
+    assert float(big.min()) > 65504
+    row_1 = cached.caches["t"].store.read_rows(torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"row store 't': a row holds 7[\d.]+, beyond the largest fp16 value \(65504\)"):
+        cached(batch(1))  # evicts row 0
+    cache = cached.caches["t"]
+    assert int(cache.slot_rows[0]) == 0 and bool(cache.dirty[0]) and torch.equal(cache.weights[0], big)
+    assert torch.equal(cached.table_weight("t")[1], row_1[0])  # row 1 is read from the store, as it is there

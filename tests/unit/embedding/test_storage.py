@@ -248,3 +248,23 @@ def test_no_space_for_a_store_is_an_error_at_creation(tmp_path, monkeypatch):
     monkeypatch.undo()
     SsdRowStore.create(tmp_path / "t", 10, 4).close()
     assert os.stat(tmp_path / "t" / "rows.bin").st_blocks * 512 >= 160  # allocated, not sparse
+
+
+@pytest.mark.parametrize("precision, value", [("fp16", 65505.0), ("fp16", -1e6), ("bf16", 3.4e38)])
+def test_values_beyond_the_precision_are_refused_not_stored_as_inf(precision, value):
+    store = DramRowStore(4, 3, precision)
+    store.write(torch.tensor([0]), torch.tensor([[1.0, 65504.0 if precision == "fp16" else 3.3e38, -2.0]]))
+    assert bool(torch.isfinite(store.read_rows(torch.tensor([0]))).all())  # the largest value itself is fine
+    with pytest.raises(ValueError, match=f"beyond the largest {precision} value"):
+        store.write(torch.tensor([1]), torch.tensor([[0.0, value, 1.0]]))
+    with pytest.raises(ValueError, match=f"beyond the largest {precision} value"):
+        store.write_range(2, torch.tensor([[0.0, value, 1.0]]))
+    assert torch.equal(store.read_rows(torch.tensor([1, 2])), torch.zeros(2, 3))  # nothing written
+
+
+def test_int8_rows_spanning_more_than_fp32_are_refused_not_stored_as_nan():
+    store = DramRowStore(2, 2, "int8")
+    store.write(torch.tensor([0]), torch.tensor([[-1.5e38, 1.5e38]]))  # a span of 3e38 still fits
+    assert torch.allclose(store.read_rows(torch.tensor([0])), torch.tensor([[-1.5e38, 1.5e38]]), rtol=1e-2)
+    with pytest.raises(ValueError, match="span more than the fp32 range"):
+        store.write(torch.tensor([1]), torch.tensor([[-3e38, 3e38]]))

@@ -386,3 +386,9 @@ def test_checkpoints_of_cached_tables_are_refused_before_their_ssd_stores_are_to
         with pytest.raises(ValueError, match="checkpoints of cached / off-device embedding tables"):
             make_trainer(tmp_path, *cached, *extra, resume=resume)
         assert [p.read_bytes() for p in stores] == trained
+
+
+def test_quantize_rows_refuses_rows_whose_range_overflows():
+    x = torch.tensor([[0.0, 1.0], [-3e38, 3e38]])
+    with pytest.raises(ValueError, match="quantize_rows: row 1 .* spanning more than the fp32 range"):
+        quantize_rows(x, 8)
