@@ -45,11 +45,14 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", choices=OPTIMIZERS, help="sparse optimizer (sets the state per row)")
     plan.add_argument("--comm-bytes", type=int, choices=(1, 2, 4), help="bytes per pooled value on the wire")
     plan.add_argument("--time-limit", type=float, default=10.0, metavar="S",
-                      help="seconds for the improvement search per attempt (default 10)")
+                      help="seconds for the improvement search of a plan, shared by its relaxation attempts "
+                           "(default 10); the preference pass after it may take as long again, enumeration and the "
+                           "greedy start are not bounded, and --scaling plans each node count with its own limit")
     plan.add_argument("--out", metavar="FILE.json", help="write the ShardingPlan here")
     plan.add_argument("--report", metavar="FILE.json", help="write the full report (per rank, per table) here")
     plan.add_argument("--chart", metavar="FILE.png", help="write a PNG chart of per-rank load (needs matplotlib)")
-    plan.add_argument("--scaling", action="store_true", help="also simulate 1, 2, 4, ... nodes up to --nodes")
+    plan.add_argument("--scaling", action="store_true",
+                      help="also simulate 1, 2, 4, ... nodes up to --nodes, and --nodes itself")
     plan.add_argument("--scale-model", action="store_true",
                       help="with --scaling: table rows grow with the node count (same bytes per rank at every size)")
     plan.add_argument("--all-ranks", action="store_true", help=f"print every rank (default: at most {MAX_RANK_ROWS})")
@@ -67,8 +70,20 @@ def _count(n: int) -> str:
     return f"{n:,}"
 
 
-def _list(text: str) -> tuple:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+def _list(text: str, flag: str) -> tuple:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values:
+        raise ValueError(f"plan: --{flag} {text!r} names nothing; give a comma-separated list")
+    return values
+
+
+def _scaling_counts(num_nodes: int) -> List[int]:
+    """1, 2, 4, ... up to ``num_nodes``, and ``num_nodes`` itself."""
+    counts, n = [], 1
+    while n < num_nodes:
+        counts.append(n)
+        n *= 2
+    return counts + [num_nodes]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -81,6 +96,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         from neorec.planner.calibrate import calibrate
 
+        if args.calibration_out and Path(args.calibration_out).is_dir():  # before measuring, not after
+            raise ValueError(f"plan: --calibration-out {args.calibration_out} is a directory; give a file name")
         calibrate(args.calibrate_ranks, args.calibration_out)
         return 0
     if args.model is None and args.tables is None:
@@ -107,10 +124,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     changes = {}
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
-    if args.precisions:
-        changes["precisions"] = _list(args.precisions)
-    if args.tiers:
-        changes["tiers"] = _list(args.tiers)
+    if args.precisions is not None:
+        changes["precisions"] = _list(args.precisions, "precisions")
+    if args.tiers is not None:
+        changes["tiers"] = _list(args.tiers, "tiers")
     if args.optimizer:
         changes["optimizer"] = args.optimizer
     if args.comm_bytes:
@@ -138,31 +155,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{sim.pipelined_qps / preset.paper_qps:.2f} (only meaningful on --topology zionex, 16 nodes)")
     report = result.to_report()
     report["simulation"] = sim.to_dict()
-    if args.scaling:
-        counts, n = [], 1
-        while n <= topo.num_nodes:
-            counts.append(n)
-            n *= 2
-        rows = scaling(tables, topo, settings, dense, counts, time_limit=args.time_limit, scale_model=args.scale_model)
-        report["scaling"] = rows
-        print("nodes  ranks  iteration ms (pipelined)         QPS   efficiency")
-        for row in rows:
-            print(f"{row['nodes']:>5}  {row['ranks']:>5}  {row['pipelined_iteration_ms']:>24.2f}  "
-                  f"{row['pipelined_qps']:>10,.0f}   {row['efficiency']:.2f}")
     if args.out:
         result.plan.save(args.out)
         print(f"sharding plan: {args.out}")
     if args.report:
-        from neorec.files import write_atomic
-
-        write_atomic(Path(args.report), json.dumps(report, indent=1) + "\n")
+        _write_report(args.report, report)
         print(f"report: {args.report}")
     if args.chart:
         from neorec.planner.chart import write_load_chart
 
         write_load_chart(result, args.chart)
         print(f"chart: {args.chart}")
+    if args.scaling:  # after the files: a size the model does not fit is a row, not an error
+        rows = scaling(tables, topo, settings, dense, _scaling_counts(int(topo.num_nodes)),
+                       time_limit=args.time_limit, scale_model=args.scale_model)
+        print("nodes  ranks  iteration ms (pipelined)         QPS   efficiency")
+        for row in rows:
+            if "error" in row:
+                print(f"{row['nodes']:>5}  {row['ranks']:>5}  does not fit: {row['error']}")
+            else:
+                print(f"{row['nodes']:>5}  {row['ranks']:>5}  {row['pipelined_iteration_ms']:>24.2f}  "
+                      f"{row['pipelined_qps']:>10,.0f}   {row['efficiency']:.2f}")
+        if args.report:
+            report["scaling"] = rows
+            _write_report(args.report, report)
     return 0
+
+
+def _write_report(path: str, report: dict) -> None:
+    from neorec.files import write_atomic
+
+    write_atomic(Path(path), json.dumps(report, indent=1) + "\n")
 
 
 def _print_ranks(result, all_ranks: bool) -> None:

@@ -32,6 +32,8 @@ ignored, and the receiving side of the all-to-all (uniform over ranks) is left t
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
@@ -61,15 +63,19 @@ class TableSpec:
     precisions: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_rows, int) or self.num_rows <= 0:
-            raise ValueError(f"table {self.name!r}: num_rows must be a positive integer, got {self.num_rows!r}")
-        if not isinstance(self.dim, int) or self.dim <= 0:
-            raise ValueError(f"table {self.name!r}: dim must be a positive integer, got {self.dim!r}")
-        if not self.pooling > 0:
-            raise ValueError(f"table {self.name!r}: pooling must be > 0, got {self.pooling!r}")
+        for key in ("num_rows", "dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"table {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if (not isinstance(self.pooling, numbers.Real) or isinstance(self.pooling, bool)
+                or not (self.pooling > 0 and math.isfinite(self.pooling))):
+            raise ValueError(f"table {self.name!r}: pooling must be a finite number > 0, got {self.pooling!r}")
+        object.__setattr__(self, "pooling", float(self.pooling))
         for key, allowed in (("sharding_types", [t.value for t in ShardingType]), ("tiers", TIERS),
                              ("precisions", tuple(PRECISION_BYTES))):
             value = getattr(self, key)
+            if isinstance(value, str):
+                raise ValueError(f"table {self.name!r}: {key} must be a list of names, got the string {value!r}")
             if value is not None:
                 bad = [v for v in value if v not in allowed]
                 if bad or not value:
@@ -109,7 +115,7 @@ class PlanSettings:
     max_column_pieces: int = 8
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise ValueError(f"plan settings: batch_size must be a positive integer, got {self.batch_size!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"plan settings: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")

@@ -27,6 +27,22 @@ class InfeasiblePlanError(ValueError):
     """No plan satisfies the limits; the message names the table and the tightest limit."""
 
 
+def format_bytes(num_bytes: float) -> str:
+    """Bytes for people, in the largest binary unit that keeps the number >= 1: 512 B, 1.50 MiB."""
+    for unit, scale in (("TiB", 2 ** 40), ("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def memory_limit(what: str, need: float, cap: float) -> str:
+    """Why ``need`` bytes of a tier exceed ``cap``: "<what>: needs 1.50 GiB per rank, a rank has
+    1.00 GiB", or "... the topology has none (0 bytes)" for a tier it lacks."""
+    if cap <= 0:
+        return f"{what}: needs {format_bytes(need)} per rank, the topology has none (0 bytes)"
+    return f"{what}: needs {format_bytes(need)} per rank, a rank has {format_bytes(cap)}"
+
+
 @dataclass(frozen=True)
 class Capacity:
     """Bytes one rank may use per tier."""
@@ -48,7 +64,7 @@ class Capacity:
                                 (memory.host, self.host, "host DRAM share"), (memory.ssd, self.ssd, "SSD share")):
             ratio = need / cap if cap > 0 else (float("inf") if need > 0 else 0.0)
             if ratio > worst[0]:
-                worst = (ratio, f"{what}: needs {need / GIB:,.2f} GiB per rank, a rank has {cap / GIB:,.2f} GiB")
+                worst = (ratio, memory_limit(what, need, cap))
         return worst
 
 
@@ -131,7 +147,12 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
     precisions = tuple(p for p in settings.precisions if table.precisions is None or p in table.precisions)
     layouts = _layouts(table, topo, tuple(t for t in types if t in settings.sharding_types))
     layouts = [lay for lay in layouts if lay[1] <= settings.max_column_pieces or not lay[0].splits_columns]
-    if not (layouts and tiers and precisions):
+    for key, kept in (("sharding_types", types), ("tiers", tiers), ("precisions", precisions)):
+        if not kept:
+            own, allowed = list(getattr(table, key)), list(getattr(settings, key))
+            raise InfeasiblePlanError(f"table {table.name!r}: the constraints exclude every option: its own {key} "
+                                      f"{own} share none with the {key} allowed by the settings, {allowed}")
+    if not layouts:
         usable = list(dict.fromkeys(lay[0].value for lay in layouts))
         reasons = "; ".join(f"{t} {_why_unusable(table, topo, t)}" for t in types if t not in usable)
         raise InfeasiblePlanError(
@@ -140,7 +161,7 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
             f"precisions {list(precisions)}); allowed by the settings: {list(settings.sharding_types)}, "
             f"{list(settings.tiers)}, {list(settings.precisions)}")
     options: List[ShardOption] = []
-    tightest = (float("inf"), "")
+    tightest: Tuple[float, str] | None = None
     for tier in tiers:
         for precision in precisions:
             for kind, pieces, placement in layouts:
@@ -148,12 +169,12 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
                 ratio, why = capacity.shortfall(memory)
                 if ratio <= 1.0:
                     options.append(ShardOption(table.name, kind, pieces, placement, tier, precision, cost, memory))
-                elif ratio < tightest[0]:
+                elif tightest is None or ratio < tightest[0]:
                     tightest = (ratio, f"{kind.value} x{pieces} in {tier} at {precision}: {why}")
     if not options:
         total = table.num_rows * table.dim
         raise InfeasiblePlanError(
             f"table {table.name!r} ({table.num_rows:,} rows x {table.dim} = {total:,} parameters) fits no rank of "
             f"topology {topo.name!r} ({topo.world_size} ranks) with tiers {list(tiers)} and precisions "
-            f"{list(precisions)}; tightest limit: {tightest[1]}")
+            f"{list(precisions)}; tightest limit: {tightest[1] if tightest else 'none'}")
     return options

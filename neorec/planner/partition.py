@@ -22,7 +22,10 @@ cost is as small as possible, under each rank's memory limits.
    ranks, the largest cheapest indivisible piece). Memory is not in the bound.
 5. Preference pass (optional): tables move to their most preferred option (precision, then tier,
    in the user's order) that fits in memory, then the search runs again among options no less
-   preferred: lower precision or slower tiers only where memory needs them.
+   preferred: lower precision or slower tiers only where memory needs them. The search may free
+   memory, so the two alternate until a pass moves no table (each move is to a strictly more
+   preferred option, so this ends): in the final plan no table has a more preferred option that
+   fits in the memory the others leave.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption
+from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, format_bytes
 from neorec.planner.topology import Topology
 
 EPS = 1e-12
@@ -186,7 +189,7 @@ class _State:
 
 
 def _tightest(state: _State, options: List[ShardOption]) -> str:
-    best = (float("inf"), "")
+    best: Optional[Tuple[float, str]] = None
     for o in options:
         for r in range(state.world):
             for need, used, cap, what in ((o.memory.device, state.device[r], state.cap.device, "device memory"),
@@ -194,10 +197,10 @@ def _tightest(state: _State, options: List[ShardOption]) -> str:
                                           (o.memory.ssd, state.ssd[r], state.cap.ssd, "SSD share")):
                 if need > 0 and used + need > cap:
                     ratio = (used + need) / cap if cap > 0 else float("inf")
-                    if ratio < best[0]:
-                        best = (ratio, f"{o.describe()}: {what} of rank {r} would hold {(used + need) / 2**30:,.2f} "
-                                       f"GiB of {cap / 2**30:,.2f} GiB")
-    return best[1]
+                    if best is None or ratio < best[0]:
+                        best = (ratio, f"{o.describe()}: {what} of rank {r} would hold {format_bytes(used + need)} "
+                                       f"of {format_bytes(cap)}")
+    return best[1] if best else "none found"
 
 
 def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
@@ -237,20 +240,26 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
         if not _improve(state, placements, options):
             break
     if preference is not None:
-        allowed = _prefer(state, placements, options, preference)
-        while rounds < 2 * max_rounds and time.perf_counter() - start < 2 * time_limit:
-            rounds += 1
-            if not _improve(state, placements, allowed):
+        allowed, _ = _prefer(state, placements, options, preference)
+        while True:
+            while rounds < 2 * max_rounds and time.perf_counter() - start < 2 * time_limit:
+                rounds += 1
+                if not _improve(state, placements, allowed):
+                    break
+            allowed, moved = _prefer(state, placements, options, preference)
+            if not moved:  # every move is to a more preferred option: this ends
                 break
     makespan = max(state.load)
     return PartitionResult({n: placements[n] for n in options}, list(state.load), makespan, bound, rounds, greedy)
 
 
 def _prefer(state: _State, placements: Dict[str, Placement], options: Dict[str, List[ShardOption]],
-            preference: Callable[[ShardOption], tuple]) -> Dict[str, List[ShardOption]]:
+            preference: Callable[[ShardOption], tuple]) -> Tuple[Dict[str, List[ShardOption]], bool]:
     """Move tables (largest first) to their most preferred option that fits in memory, on the
     least loaded ranks: a less preferred precision or tier is a fallback for memory, not a speed
-    knob. Returns the options each table may still use (none less preferred than its own)."""
+    knob. Returns the options each table may still use (none less preferred than its own) and
+    whether any table moved."""
+    moved = False
     for name in sorted(placements, key=lambda n: -placements[n].option.work):
         old = placements[name]
         better = sorted((o for o in options[name] if preference(o) < preference(old.option)),
@@ -266,8 +275,9 @@ def _prefer(state: _State, placements: Dict[str, Placement], options: Dict[str, 
                 break
         placements[name] = chosen
         state.apply(chosen, +1)
+        moved = moved or chosen is not old
     return {name: [o for o in opts if preference(o) <= preference(placements[name].option)]
-            for name, opts in options.items()}
+            for name, opts in options.items()}, moved
 
 
 def _pack_to_target(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,

@@ -14,6 +14,7 @@ preferred precision and tier wherever memory allows. When none fits, the last le
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
@@ -99,7 +100,7 @@ def table_plan(table: TableSpec, placement: Placement) -> TablePlan:
         shards = [Shard(r, 0, table.num_rows, c[i], c[i + 1]) for i, r in enumerate(ranks)]
     else:
         shards = [Shard(ranks[0], 0, table.num_rows, 0, table.dim)]
-    return TablePlan(kind, shards, o.precision)
+    return TablePlan(kind, shards, o.precision, o.tier)
 
 
 def _preference(settings: PlanSettings):
@@ -118,20 +119,23 @@ def _levels(settings: PlanSettings) -> List[PlanSettings]:
 
 def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
                 time_limit: float = 10.0, max_rounds: int = 10_000) -> PlanResult:
-    """Plan ``tables`` on ``topology``; see the module docstring. ``time_limit`` bounds each
-    attempt's search (seconds); with ``time_limit=inf`` the result depends on the inputs only."""
+    """Plan ``tables`` on ``topology``; see the module docstring. ``time_limit`` (seconds) bounds
+    the search, shared by the attempts (each gets what the earlier ones left; the preference pass
+    may take as long again); with ``time_limit=inf`` the result depends on the inputs only."""
     if not tables:
         raise ValueError("planner: no tables to plan")
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"planner: duplicate table names {sorted({n for n in names if names.count(n) > 1})}")
     error: InfeasiblePlanError | None = None
+    deadline = time.perf_counter() + time_limit
     for level in _levels(settings):
         capacity = Capacity.of(topology, level)
         try:
             options: Dict[str, List[ShardOption]] = {t.name: enumerate_options(t, topology, level, capacity)
                                                       for t in tables}
-            result = partition(options, topology, capacity, time_limit=time_limit, max_rounds=max_rounds,
+            left = max(0.0, deadline - time.perf_counter())
+            result = partition(options, topology, capacity, time_limit=left, max_rounds=max_rounds,
                                preference=_preference(settings))
         except InfeasiblePlanError as exc:
             error = exc
@@ -147,16 +151,17 @@ def evaluate_plan(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Top
                   tiers: Dict[str, str] | None = None) -> PlanResult:
     """The cost model applied to a given ``plan`` (any plan, e.g. hand-written or a baseline):
     a ``PlanResult`` whose per-rank costs and memory can be compared and simulated. Pieces are
-    costed as even pieces of their type; ``tiers`` per table default to "device"."""
+    costed as even pieces of their type; ``tiers`` per table default to the plan's own."""
     from neorec.planner.cost_model import piece_cost
+    from neorec.planner.names import TIERS
 
     specs = {t.name: t for t in tables}
-    plan.validate([_table_config(t) for t in tables], topology.world_size)
+    plan.validate([_table_config(t) for t in tables], topology.world_size, tiers=TIERS)
     placements: Dict[str, Placement] = {}
     loads = [0.0] * topology.world_size
     for name, entry in plan.tables.items():
         kind = entry.sharding_type
-        tier = (tiers or {}).get(name, "device")
+        tier = (tiers or {}).get(name, entry.tier)
         precision = entry.precision or settings.precisions[0]
         if kind == ShardingType.DATA_PARALLEL:
             ranks, placement = tuple(range(topology.world_size)), "all"

@@ -15,6 +15,7 @@ The paper's QPS are kept here only to be compared with, never used by the planne
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -23,12 +24,23 @@ from neorec.planner.cost_model import PlanSettings, TableSpec
 from neorec.planner.names import MODEL_PRESET_NAMES
 
 
+def finite_non_negative(value) -> bool:
+    """A real number (not a bool), finite and >= 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 @dataclass(frozen=True)
 class DenseModel:
     """The dense part: MLP math per sample (forward) and parameters (all-reduced each step)."""
 
     mflops_per_sample: float = 0.0
     num_parameters: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("mflops_per_sample", "num_parameters"):
+            value = getattr(self, key)
+            if not finite_non_negative(value):
+                raise ValueError(f"dense model: {key} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass
@@ -78,8 +90,6 @@ def _power_law_split(total: float, count: int, rng: random.Random, alpha: float 
 
 def _dims(count: int, low: int, high: int, mean: float, rng: random.Random) -> List[int]:
     """Log-uniform dims in [low, high], multiples of 4, rescaled toward ``mean``."""
-    import math
-
     raw = [math.exp(rng.uniform(math.log(low), math.log(high))) for _ in range(count)]
     factor = mean / (sum(raw) / count)
     return [int(min(high, max(low, round(d * factor / 4) * 4))) for d in raw]

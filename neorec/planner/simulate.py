@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence
 
 from neorec.planner.cost_model import ID_BYTES, PlanSettings, TableSpec, allreduce_seconds, alltoall_seconds
+from neorec.planner.enumerate import InfeasiblePlanError
 from neorec.planner.planner import PlanResult, plan_tables
 from neorec.planner.presets import DenseModel
 from neorec.planner.topology import Topology
@@ -90,10 +91,11 @@ def scaling(tables: Sequence[TableSpec], topology: Topology, settings: PlanSetti
             nodes: Sequence[int] = (1, 2, 4, 8, 16), time_limit: float = 10.0,
             scale_model: bool = False, max_rounds: int = 10_000) -> List[dict]:
     """Plan and simulate the model (same local batch) on 1, 2, 4 ... nodes; efficiency =
-    QPS(n) / (n x QPS(first)). ``scale_model``: the tables' rows grow with the node count
-    (n / largest n of them), so every rank holds about the same bytes at every size (weak scaling
-    of model and cluster together); otherwise the same model everywhere, which on few nodes may
-    need slower tiers or lower precision."""
+    QPS(n) / (n x QPS(first that fits)). A node count the model does not fit gives a row with
+    its ``error`` (the planner's message) and no timings. ``scale_model``: the tables' rows grow
+    with the node count (n / largest n of them), so every rank holds about the same bytes at every
+    size (weak scaling of model and cluster together); otherwise the same model everywhere, which
+    on few nodes may need slower tiers or lower precision."""
     rows: List[dict] = []
     for n in nodes:
         topo = topology.with_nodes(n)
@@ -101,7 +103,11 @@ def scaling(tables: Sequence[TableSpec], topology: Topology, settings: PlanSetti
         if scale_model:
             factor = n / max(nodes)
             specs = [dataclasses.replace(t, num_rows=max(1, int(t.num_rows * factor))) for t in tables]
-        result = plan_tables(specs, topo, settings, time_limit=time_limit, max_rounds=max_rounds)
+        try:
+            result = plan_tables(specs, topo, settings, time_limit=time_limit, max_rounds=max_rounds)
+        except InfeasiblePlanError as exc:
+            rows.append({"nodes": n, "ranks": topo.world_size, "error": str(exc), "efficiency": None})
+            continue
         sim = simulate(result, dense)
         rows.append({"nodes": n, "ranks": topo.world_size, "qps": sim.qps, "pipelined_qps": sim.pipelined_qps,
                      "iteration_ms": sim.iteration_seconds * 1e3,
@@ -109,7 +115,8 @@ def scaling(tables: Sequence[TableSpec], topology: Topology, settings: PlanSetti
                      "precisions": sorted({p.option.precision for p in result.placements.values()}),
                      "tiers": sorted({p.option.tier for p in result.placements.values()}),
                      "gap": result.gap})
-    base = rows[0]["pipelined_qps"] / rows[0]["nodes"]
-    for row in rows:
+    fits = [row for row in rows if "error" not in row]
+    base = fits[0]["pipelined_qps"] / fits[0]["nodes"] if fits else 0.0
+    for row in fits:
         row["efficiency"] = row["pipelined_qps"] / (row["nodes"] * base)
     return rows

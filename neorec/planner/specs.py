@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 from neorec.files import read_json_file
 from neorec.planner.cost_model import TableSpec
-from neorec.planner.presets import DenseModel
+from neorec.planner.presets import DenseModel, finite_non_negative
 
 TABLE_KEYS = {"name", "num_rows", "dim", "pooling", "sharding_types", "tiers", "precisions"}
 FILE_KEYS = {"batch_size", "dense_mflops_per_sample", "dense_parameters", "tables"}
@@ -39,14 +39,21 @@ def load_table_specs(path: str | Path) -> Tuple[List[TableSpec], DenseModel, Opt
         unknown = sorted(set(entry) - TABLE_KEYS)
         if missing or unknown:
             raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}; allowed: {sorted(TABLE_KEYS)}")
+        lists = [k for k in ("sharding_types", "tiers", "precisions") if k in entry and not isinstance(entry[k], list)]
+        if lists:
+            raise ValueError(f"{where}: {lists[0]} must be a list of names, got {entry[lists[0]]!r}")
         try:
             tables.append(TableSpec(
-                str(entry["name"]), entry["num_rows"], entry["dim"], float(entry.get("pooling", 1.0)),
+                str(entry["name"]), entry["num_rows"], entry["dim"], entry.get("pooling", 1.0),
                 *(tuple(entry[k]) if k in entry else None for k in ("sharding_types", "tiers", "precisions"))))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from None
     batch = data.get("batch_size")
-    if batch is not None and (not isinstance(batch, int) or batch < 1):
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
         raise ValueError(f"table-spec file {p}: batch_size must be a positive integer, got {batch!r}")
+    for key in ("dense_mflops_per_sample", "dense_parameters"):
+        value = data.get(key, 0)
+        if not finite_non_negative(value):
+            raise ValueError(f"table-spec file {p}: {key} must be a finite number >= 0, got {value!r}")
     dense = DenseModel(float(data.get("dense_mflops_per_sample", 0.0)), int(data.get("dense_parameters", 0)))
     return tables, dense, batch

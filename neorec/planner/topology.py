@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,8 @@ class Topology:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"topology {self.name!r}: {f.name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"topology {self.name!r}: {f.name} must be a finite number, got {value}")
             positive = f.name not in ("ssd_bytes", "ssd_bandwidth", "host_dram_bytes", "collective_latency",
                                       "lookup_call_seconds", "seconds_per_id")
             if value < 0 or (positive and value == 0):

@@ -21,6 +21,9 @@ What a sharding type allows:
 
 ``precision`` (optional, per table) is kept for the planner; a sharded collection today stores all
 tables of a rank in one fused module and so one precision (see ``sharded_collection.py``).
+``tier`` (optional, per table, default "device") is the planner's storage tier ("device",
+"cached_dram", "dram", "cached_ssd"); sharded training places every table on the device, so
+``validate`` refuses any other tier unless the caller says it can place it (``tiers=``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from neorec.embedding.config import TableConfig
+from neorec.planner.names import TIERS
+
+DEVICE_TIER = "device"
 
 
 class ShardingType(str, Enum):
@@ -98,12 +104,14 @@ class Shard:
 
 @dataclass
 class TablePlan:
-    """How one table is sharded: its type, its shards (empty for DATA_PARALLEL) and an optional
-    storage precision ("fp32", "fp16", "bf16"; None = the collection's)."""
+    """How one table is sharded: its type, its shards (empty for DATA_PARALLEL), an optional
+    storage precision ("fp32", "fp16", "bf16"; None = the collection's) and the storage tier the
+    planner chose (written to JSON only when it is not "device")."""
 
     sharding_type: ShardingType
     shards: List[Shard] = field(default_factory=list)
     precision: Optional[str] = None
+    tier: str = DEVICE_TIER
 
     def __post_init__(self) -> None:
         self.sharding_type = ShardingType.parse(self.sharding_type)
@@ -116,21 +124,28 @@ class TablePlan:
         return sorted({s.rank for s in self.shards})
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"sharding_type": self.sharding_type.value, "shards": [s.to_dict() for s in self.shards],
-                "precision": self.precision}
+        out = {"sharding_type": self.sharding_type.value, "shards": [s.to_dict() for s in self.shards],
+               "precision": self.precision}
+        if self.tier != DEVICE_TIER:
+            out["tier"] = self.tier
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "") -> "TablePlan":
         if not isinstance(data, Mapping) or "sharding_type" not in data:
             raise ValueError(f"sharding plan{where}: a table entry must be an object with 'sharding_type', got {data!r}")
-        extra = set(data) - {"sharding_type", "shards", "precision"}
+        extra = set(data) - {"sharding_type", "shards", "precision", "tier"}
         if extra:
-            raise ValueError(f"sharding plan{where}: unknown keys {sorted(extra)}; allowed: sharding_type, shards, precision")
+            raise ValueError(f"sharding plan{where}: unknown keys {sorted(extra)}; allowed: sharding_type, shards, "
+                             f"precision, tier")
         shards = data.get("shards", [])
         if not isinstance(shards, list):
             raise ValueError(f"sharding plan{where}: 'shards' must be a list, got {shards!r}")
+        tier = data.get("tier", DEVICE_TIER)
+        if tier not in TIERS:
+            raise ValueError(f"sharding plan{where}: tier must be one of {list(TIERS)}, got {tier!r}")
         return cls(ShardingType.parse(data["sharding_type"], where), [Shard.from_dict(s, where) for s in shards],
-                   data.get("precision"))
+                   data.get("precision"), tier)
 
 
 @dataclass
@@ -181,6 +196,8 @@ class ShardingPlan:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"sharding plan: not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("sharding plan: not a plan (JSON nested too deeply)") from None
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
@@ -192,6 +209,8 @@ class ShardingPlan:
     @classmethod
     def load(cls, path: str | Path) -> "ShardingPlan":
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"sharding plan file {str(p)!r} is a directory; give the plan's JSON file")
         if not p.is_file():
             raise ValueError(f"sharding plan file {str(p)!r} not found")
         try:
@@ -200,10 +219,18 @@ class ShardingPlan:
             raise ValueError(f"{exc} (in {p})") from None
 
     # ------------------------------------------------------------------------------ validation
-    def validate(self, tables: Sequence[TableConfig], world_size: Optional[int] = None) -> "ShardingPlan":
+    def validate(self, tables: Sequence[TableConfig], world_size: Optional[int] = None,
+                 tiers: Sequence[str] = (DEVICE_TIER,)) -> "ShardingPlan":
         """Check the plan against ``tables`` and the world; raise ValueError naming the table and
-        the problem. Returns self."""
+        the problem. ``tiers``: the storage tiers the caller can place tables on (sharded
+        training: the device only). Returns self."""
         from neorec.sharding.validation import validate_plan
 
         validate_plan(self, tables, self.world_size if world_size is None else world_size)
+        elsewhere = [f"{name!r} ({entry.tier})" for name, entry in self.tables.items() if entry.tier not in tiers]
+        if elsewhere:
+            more = f" and {len(elsewhere) - 5} more" if len(elsewhere) > 5 else ""
+            raise ValueError(f"sharding plan: tables {', '.join(elsewhere[:5])}{more} are planned on a storage tier "
+                             f"other than {list(tiers)}; sharded training places tables on the device only: make "
+                             f"the plan with `neorec plan --tiers device`")
         return self

@@ -82,3 +82,107 @@ def test_plan_for_training_plans_the_config_tables(monkeypatch, tmp_path):
     plan.validate(tables, 2)
     assert {e.precision for e in plan.tables.values()} == {cfg.embedding.storage.precision}
     assert plan.to_json() == plan_for_training(cfg, source, 2, 2).to_json()  # the same on every rank
+
+
+def _topology_file(tmp_path, **changes) -> str:
+    from neorec.planner.topology import Topology
+
+    topo = Topology("small", 1, 2, 8e9, 3e9, 16e9, 3e9, 0.0, 0.0, 0.5e9, 0.5e9, 50e9, 5e-4)
+    path = tmp_path / "topo.json"
+    path.write_text(json.dumps({**topo.to_dict(), **changes}))
+    return str(path)
+
+
+def _spec_file(tmp_path, **changes) -> str:
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps({"batch_size": 64, "tables": [{"name": "a", "num_rows": 1000, "dim": 16},
+                                                             {"name": "b", "num_rows": 500, "dim": 8}], **changes}))
+    return str(path)
+
+
+def test_plan_file_keeps_the_tier_and_training_refuses_a_non_device_tier(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--tables", _spec_file(tmp_path), "--topology", _topology_file(tmp_path), "--tiers", "dram",
+               "--time-limit", "0", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    plan = ShardingPlan.load(out)
+    assert {e.tier for e in plan.tables.values()} == {"dram"}
+    with pytest.raises(ValueError, match="device only.*--tiers device"):
+        plan.validate([TableConfig("a", 1000, 16), TableConfig("b", 500, 8)], 2)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"dense_mflops_per_sample": -1e6}, "dense_mflops_per_sample must be a finite number >= 0, got -1000000.0"),
+    ({"dense_parameters": -5}, "dense_parameters must be a finite number >= 0, got -5"),
+    ({"dense_parameters": None}, "dense_parameters must be a finite number >= 0, got None"),
+    ({"dense_mflops_per_sample": "abc"}, "dense_mflops_per_sample must be a finite number >= 0, got 'abc'"),
+    ({"batch_size": True}, "batch_size must be a positive integer, got True"),
+    ({"tables": [{"name": "a", "num_rows": True, "dim": 16}]}, r"table #0: table 'a': num_rows must be a positive"),
+    ({"tables": [{"name": "a", "num_rows": 10, "dim": 16, "tiers": "device"}]},
+     r"table #0: tiers must be a list of names, got 'device'"),
+    ({"tables": [{"name": "a", "num_rows": 10, "dim": 16, "pooling": float("inf")}]},
+     r"table #0: table 'a': pooling must be a finite number > 0, got inf"),
+])
+def test_plan_table_file_values_are_checked_naming_file_and_key(tmp_path, capsys, changes, message):
+    spec = _spec_file(tmp_path, **changes)
+    assert main(["plan", "--tables", spec, "--topology", _topology_file(tmp_path), "--time-limit", "0"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"table-spec file {re.escape(spec)}.*{message}", err), err
+    assert "Traceback" not in err
+
+
+def test_plan_topology_nan_is_refused(tmp_path, capsys):
+    topo = _topology_file(tmp_path, inter_node_bandwidth=float("nan"))
+    assert main(["plan", "--tables", _spec_file(tmp_path), "--topology", topo]) == 2
+    assert "inter_node_bandwidth must be a finite number, got nan" in capsys.readouterr().err
+
+
+def test_plan_missing_tier_names_a_reason(tmp_path, capsys):
+    assert main(["plan", "--tables", _spec_file(tmp_path), "--topology", _topology_file(tmp_path),
+                 "--tiers", "cached_ssd"]) == 2
+    assert re.search(r"tightest limit: .*SSD share: needs [\d.]+ KiB per rank, the topology has none",
+                     capsys.readouterr().err)
+
+
+def test_plan_scaling_writes_the_files_first_and_shows_sizes_that_do_not_fit(tmp_path, capsys):
+    # 2 nodes of 1 rank; the table needs both ranks: 1 node does not fit, 2 do
+    topo = _topology_file(tmp_path, ranks_per_node=1, device_memory_bytes=0.25e9, collective_latency=0.0)
+    spec = tmp_path / "big.json"
+    spec.write_text(json.dumps({"batch_size": 16, "tables": [{"name": "big", "num_rows": 10_000_000, "dim": 8}]}))
+    out, report = tmp_path / "plan.json", tmp_path / "report.json"
+    rc = main(["plan", "--tables", str(spec), "--topology", topo, "--nodes", "2", "--scaling", "--time-limit", "0",
+               "--out", str(out), "--report", str(report)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert ShardingPlan.load(out).world_size == 2
+    assert re.search(r"\n\s+1\s+1  does not fit: table 'big'", text)
+    rows = json.loads(report.read_text())["scaling"]
+    assert [r["nodes"] for r in rows] == [1, 2] and "error" in rows[0] and rows[1]["efficiency"] == 1.0
+
+
+def test_plan_scaling_includes_the_planned_node_count(tmp_path, capsys):
+    topo = _topology_file(tmp_path, ranks_per_node=1)
+    assert main(["plan", "--tables", _spec_file(tmp_path), "--topology", topo, "--nodes", "3", "--scaling",
+                 "--time-limit", "0"]) == 0
+    study = capsys.readouterr().out.split("nodes  ranks")[1]
+    assert [int(n) for n in re.findall(r"^\s+(\d+)\s+\d+\s", study, re.M)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precisions", ""], "--precisions '' names nothing"),
+    (["--tiers", " , "], "--tiers ' , ' names nothing"),
+])
+def test_plan_empty_lists_are_refused_alike(capsys, args, message):
+    assert main(["plan", "--model", "dlrm-criteo-kaggle", "--nodes", "1", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibration_out_directory_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    import neorec.planner.calibrate as calibrate
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured before checking the arguments")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_measuring)
+    assert main(["plan", "--calibrate", "--calibration-out", str(tmp_path)]) == 2
+    assert re.search(r"--calibration-out .* is a directory; give a file name", capsys.readouterr().err)

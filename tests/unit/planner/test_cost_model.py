@@ -140,3 +140,42 @@ def test_calibrated_per_id_cost_is_added_to_the_backward():
     ids = 200 * 4.0 / 2  # global batch x pooling / pieces
     assert more.lookup_backward - base.lookup_backward == pytest.approx(ids * 1e-6)
     assert more.lookup_forward == base.lookup_forward
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"pooling": float("inf")}, "pooling must be a finite number > 0"),
+    ({"pooling": float("nan")}, "pooling must be a finite number > 0"),
+    ({"pooling": True}, "pooling must be a finite number > 0"),
+    ({"num_rows": True}, "num_rows must be a positive integer, got True"),
+    ({"dim": True}, "dim must be a positive integer, got True"),
+    ({"tiers": "device"}, "tiers must be a list of names, got the string 'device'"),
+])
+def test_non_finite_bool_and_string_table_fields_are_rejected(kwargs, message):
+    fields = {"name": "x", "num_rows": 10, "dim": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        TableSpec(**fields)
+
+
+@pytest.mark.parametrize("key, value", [("inter_node_bandwidth", float("nan")), ("device_memory_bytes", float("nan")),
+                                        ("inter_node_bandwidth", float("inf")), ("ssd_bytes", float("inf"))])
+def test_non_finite_topology_values_are_rejected(tmp_path, key, value):
+    import dataclasses
+    import json
+
+    with pytest.raises(ValueError, match=f"{key} must be a finite number"):
+        dataclasses.replace(dgx_h100(), **{key: value})
+    path = tmp_path / "topo.json"   # JSON files may spell NaN / Infinity
+    path.write_text(json.dumps({**dgx_h100().to_dict(), key: value}))
+    with pytest.raises(ValueError, match=f"{key} must be a finite number"):
+        get_topology(str(path))
+
+
+def test_batch_size_and_dense_model_are_checked():
+    from neorec.planner.presets import DenseModel
+
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        PlanSettings(batch_size=True)
+    for kwargs in ({"mflops_per_sample": -1.0}, {"num_parameters": -5}, {"mflops_per_sample": float("inf")},
+                   {"num_parameters": None}):
+        with pytest.raises(ValueError, match="dense model: .* must be a finite number >= 0"):
+            DenseModel(**kwargs)

@@ -12,6 +12,7 @@ import pytest
 from neorec.planner.baselines import BASELINES, baseline_loads
 from neorec.planner.cost_model import PRECISION_BYTES, PlanSettings, TableSpec, state_bytes_per_row
 from neorec.planner.enumerate import Capacity, InfeasiblePlanError, enumerate_options
+from neorec.planner.names import TIERS
 from neorec.planner.partition import lower_bound
 from neorec.planner.planner import plan_tables
 from neorec.planner.presets import get_model_preset
@@ -139,10 +140,13 @@ def test_model_f_fits_16_zionex_nodes_with_fp16_rows_dram_and_row_wise_across_no
     assert sum(t.num_parameters for t in preset.tables) == pytest.approx(12e12, rel=1e-6)
     topo = zionex(16)
     result = plan_tables(preset.tables, topo, preset.settings, time_limit=1.0)
-    result.plan.validate(table_configs(preset.tables), 128)
+    result.plan.validate(table_configs(preset.tables), 128, tiers=TIERS)
     assert result.settings.optimizer == "rowwise_adagrad"
     assert "fp16" in {e.precision for e in result.plan.tables.values()}
     assert any(tier in ("dram", "cached_dram") for tier in result.tiers.values())
+    assert {n: e.tier for n, e in result.plan.tables.items()} == result.tiers  # the plan keeps the tiers
+    with pytest.raises(ValueError, match="device only.*--tiers device"):  # which training cannot place
+        result.plan.validate(table_configs(preset.tables), 128)
     nodes = {result.plan.node_of(s.rank) for e in result.plan.tables.values() for s in e.shards
              if e.sharding_type == ShardingType.ROW_WISE}
     assert len(nodes) > 1
@@ -230,3 +234,106 @@ def test_placement_takes_the_least_loaded_ranks_with_room():
             if ranks is not None:
                 state.apply(Placement(option, ranks), +1)
     assert checked > 200  # most placements found room; the rest were refused by both
+
+
+def _preferred_options_that_fit(result, settings):
+    """Tables of the final plan with a more preferred option that fits in the memory the other
+    tables leave (placed as the partitioner places)."""
+    from neorec.planner.partition import _State
+    from neorec.planner.planner import _preference
+
+    capacity = Capacity.of(result.topology, result.settings)
+    state = _State(result.topology, capacity)
+    for p in result.placements.values():
+        state.apply(p, +1)
+    preference, specs, found = _preference(settings), {t.name: t for t in result.tables}, []
+    for name, p in result.placements.items():
+        state.apply(p, -1)
+        better = [o for o in enumerate_options(specs[name], result.topology, result.settings, capacity)
+                  if preference(o) < preference(p.option) and state.place(o) is not None]
+        if better:
+            found.append((name, p.option.describe(), better[0].describe()))
+        state.apply(p, +1)
+    return found
+
+
+@pytest.mark.parametrize("seed,num_tables,nodes,per_node,device_gb,host_gb,tiers", [
+    (6, 6, 2, 4, 0.0024, 0.0, ("device",)),                 # fp16 where fp32 fits after the search
+    (37, 6, 1, 2, 0.0533, 0.1065, ("device", "dram")),
+    (153, 19, 1, 2, 0.0848, 0.1697, ("device", "dram")),    # dram where the device fits after the search
+])
+def test_final_plan_keeps_the_most_preferred_option_memory_allows(seed, num_tables, nodes, per_node, device_gb,
+                                                                  host_gb, tiers):
+    """README: each table keeps the most preferred precision, then tier, that memory allows, in
+    the final plan (the search after the preference pass can free memory)."""
+    tables = random_tables(seed, num_tables)
+    settings = PlanSettings(batch_size=16, precisions=("fp32", "fp16"), tiers=tiers)
+    result = plan_tables(tables, toy_topology(nodes, per_node, device_gb=device_gb, host_gb=host_gb), settings,
+                         time_limit=math.inf, max_rounds=200)
+    assert _preferred_options_that_fit(result, settings) == []
+    result.plan.validate(table_configs(tables), nodes * per_node, tiers=TIERS)
+
+
+def test_plan_carries_the_tier_and_evaluate_plan_reads_it():
+    from neorec.planner.planner import evaluate_plan
+
+    topo = toy_topology(1, 2, device_gb=0.05, host_gb=1.0)
+    settings = PlanSettings(batch_size=16, tiers=("dram",))
+    tables = [TableSpec("a", 10_000, 16), TableSpec("b", 1000, 8)]
+    result = plan_tables(tables, topo, settings)
+    assert {e.tier for e in result.plan.tables.values()} == {"dram"}
+    again = evaluate_plan(result.plan, tables, topo, settings)   # no tiers given: the plan's own
+    assert again.tiers == result.tiers and again.makespan == pytest.approx(result.makespan)
+
+
+def test_small_memory_limits_are_given_in_readable_units():
+    topo = toy_topology(1, 2, device_gb=1e-5)   # 10 kB per rank: limits in KiB, not "0.00 GiB"
+    settings = PlanSettings(batch_size=8, precisions=("fp32", "fp16"))
+    with pytest.raises(InfeasiblePlanError, match=r"table 'big'.*tightest limit: .*device memory: needs [\d.,]+ "
+                                                  r"(KiB|MiB) per rank, a rank has [\d.]+ KiB") as info:
+        plan_tables([TableSpec("big", 100_000, 8)], topo, settings)
+    assert "0.00 GiB" not in str(info.value)
+
+
+def test_a_tier_the_topology_lacks_still_gives_a_tightest_limit():
+    with pytest.raises(InfeasiblePlanError, match=r"tightest limit: .*SSD share: needs .* the topology has none"):
+        plan_tables([TableSpec("a", 100, 8)], toy_topology(1, 2), PlanSettings(batch_size=8, tiers=("cached_ssd",)))
+
+
+def test_a_table_whose_own_lists_exclude_every_option_is_told_so_directly():
+    for key, value in (("precisions", ("bf16",)), ("tiers", ("dram",)), ("sharding_types", ("row_wise",))):
+        with pytest.raises(InfeasiblePlanError) as info:
+            plan_tables([TableSpec("picky", 100, 8, **{key: value})], toy_topology(1, 2),
+                        PlanSettings(batch_size=8, precisions=("fp32", "fp16"), sharding_types=("table_wise",)))
+        message = str(info.value)
+        assert f"table 'picky': the constraints exclude every option: its own {key} {list(value)} share none" in message
+        assert "needs" not in message   # no sharding-type reasons that do not matter
+
+
+def test_tables_that_fit_alone_but_not_together_give_the_limit_in_readable_units():
+    topo = toy_topology(1, 2, device_gb=2e-4)   # 200 kB per rank
+    many = [TableSpec(f"m{i}", 3000, 8) for i in range(8)]   # 96 kB each
+    with pytest.raises(InfeasiblePlanError, match=r"tightest limit: .*would hold [\d.]+ KiB of [\d.]+ KiB") as info:
+        plan_tables(many, topo, PlanSettings(batch_size=1, sharding_types=("table_wise",)))
+    assert "0.00 GiB" not in str(info.value)
+
+
+def test_relaxation_attempts_share_one_search_deadline(monkeypatch):
+    import time
+
+    import neorec.planner.planner as planner
+
+    limits = []
+    real = planner.partition
+
+    def slow_first_attempt(*args, **kwargs):
+        limits.append(kwargs["time_limit"])
+        if len(limits) == 1:   # the first level (fp32 only) takes its time and does not fit
+            time.sleep(0.3)
+            raise InfeasiblePlanError("does not fit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "partition", slow_first_attempt)
+    plan_tables([TableSpec("a", 100, 8)], toy_topology(1, 2), PlanSettings(batch_size=8, precisions=("fp32", "fp16")),
+                time_limit=1.0)
+    assert limits[0] <= 1.0 and limits[1] <= 0.75   # what the first attempt left, not 1 s again

@@ -54,3 +54,12 @@ def test_fixed_call_cost_lands_on_ranks_with_pieces_only():
     plain = simulate(plan_tables(tables, topo, settings), DenseModel())
     costly = simulate(plan_tables(tables, dataclasses.replace(topo, lookup_call_seconds=0.5), settings), DenseModel())
     assert costly.phases["lookup_forward"] == pytest.approx(plain.phases["lookup_forward"] + 0.5)
+
+
+def test_scaling_shows_a_size_the_model_does_not_fit_as_a_row():
+    topo = toy_topology(2, 1, device_gb=0.25)
+    tables = [TableSpec("big", 10_000_000, 8)]   # 360 MB with its state: needs both ranks
+    rows = scaling(tables, topo, PlanSettings(batch_size=16), DenseModel(), nodes=(1, 2), time_limit=0.5)
+    assert [r["nodes"] for r in rows] == [1, 2]
+    assert "table 'big'" in rows[0]["error"] and rows[0]["efficiency"] is None and "qps" not in rows[0]
+    assert "error" not in rows[1] and rows[1]["efficiency"] == pytest.approx(1.0)  # relative to the first that fits

@@ -191,3 +191,29 @@ def test_example_plan_fits_the_tiny_config():
     plan = ShardingPlan.load(root / "configs" / "tiny_plan_2ranks.json").validate(tables, 2)
     assert {e.sharding_type for e in plan.tables.values()} == {
         ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL}
+
+
+def test_tier_is_kept_in_the_file_and_only_the_device_tier_validates(tmp_path):
+    from neorec.planner.names import TIERS
+
+    plan = replace(good_plan(), "c", TablePlan("data_parallel", [], precision="fp16", tier="dram"))
+    assert json.loads(plan.to_json())["tables"]["c"]["tier"] == "dram"
+    assert "tier" not in json.loads(plan.to_json())["tables"]["a"]   # device: written as before
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert ShardingPlan.load(path) == plan and ShardingPlan.load(path).tables["c"].tier == "dram"
+    assert ShardingPlan.from_json(good_plan().to_json()).tables["a"].tier == "device"  # old files: device
+    with pytest.raises(ValueError, match=r"'c' \(dram\).*device only.*neorec plan --tiers device"):
+        plan.validate(TABLES, 4)                  # what training calls
+    assert plan.validate(TABLES, 4, tiers=TIERS) is plan
+    with pytest.raises(ValueError, match=r"\(table 'c'\): tier must be one of"):
+        ShardingPlan.from_dict({"world_size": 1, "tables": {"c": {"sharding_type": "data_parallel", "tier": "hbm"}}})
+
+
+def test_load_refuses_deep_json_and_directories_clearly(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"nested too deeply.*deep.json"):
+        ShardingPlan.load(deep)
+    with pytest.raises(ValueError, match="is a directory; give the plan's JSON file"):
+        ShardingPlan.load(tmp_path)
