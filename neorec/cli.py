@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "table-batched embeddings (after Meta's Neo).",
     )
     parser.add_argument("--traceback", action="store_true",
-                        help="show the full Python traceback on errors (for bug reports)")
+                        help="show the full Python traceback on errors (for bug reports); "
+                        "NEOREC_TRACEBACK=1 in the environment does the same")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser(
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace, extra: Sequence[str] = ()):
     from neorec.config import load_config
 
-    return load_config(args.config, list(args.overrides) + list(extra))
+    return load_config(args.config, list(args.overrides) + list(extra), check_data=True)
 
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -285,6 +286,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.data_command is None:  # `neorec data` alone: its commands' usage, as `neorec` alone does
+        _subparser(parser, "data").print_help()
+        return EXIT_USAGE
     from neorec.data import criteo
 
     if args.data_command == "write-criteo":
@@ -293,7 +297,7 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.data_command == "preprocess-criteo":
         processed = args.processed_dir or f"{args.tsv}.neorec"
-        sets = [f"data.criteo.train_path={args.tsv}"]
+        sets = [f"data.criteo.train_path={_toml_string(args.tsv)}"]
         for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")]:
             if tsv is None:
                 continue
@@ -306,17 +310,29 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for example in stats.skipped_examples:
                 print(f"  skipped {example}")
         if args.eval_tsv is not None:
-            sets.append(f"data.criteo.eval_path={args.eval_tsv}")
+            sets.append(f"data.criteo.eval_path={_toml_string(args.eval_tsv)}")
         if args.processed_dir is not None:
-            sets.append(f"data.criteo.processed_dir={args.processed_dir}")
+            sets.append(f"data.criteo.processed_dir={_toml_string(args.processed_dir)}")
         sets.append(f"data.criteo.num_embeddings={args.num_embeddings}")
         if args.skip_malformed:
             sets.append("data.criteo.skip_malformed=true")
         print("train on it with: neorec train --config configs/criteo.toml "
-              + " ".join(f"--set {shlex.quote(s)}" for s in sets))
+              + " ".join(f"--set {shlex.quote(s)}" for s in sets))  # TOML strings, quoted for the shell
         return 0
-    parser.parse_args(["data", "--help"])
-    return EXIT_USAGE
+    raise ValueError(f"unknown data command {args.data_command!r}")  # pragma: no cover - argparse refuses it
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the command ``name`` (``neorec NAME``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)  # pragma: no cover
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: unset, empty, 0, false, no and off are off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -340,7 +356,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from neorec.train.launch import Terminated, die_with_launcher
 
     die_with_launcher()  # a rank started by `--nproc N`: never outlive the launcher
-    show_traceback = bool(args.traceback or os.environ.get("NEOREC_TRACEBACK"))
+    show_traceback = bool(args.traceback) or _env_flag("NEOREC_TRACEBACK")
     where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
     try:
         if args.command == "train":
@@ -368,10 +384,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except Exception as exc:  # not foreseen (or a peer rank died): one line and how to see more
         if show_traceback:
             raise
-        print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {exc}\n"
-              f"(unexpected: `neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever the exception's text holds
+        print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
+              f"`neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
         return 1
 
 
 def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    from neorec.config import toml_string
+
+    return toml_string(text)

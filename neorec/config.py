@@ -8,10 +8,13 @@ Every TOML table maps to a dataclass below; an unknown key or a value of the wro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
 import math
+import re
+import shlex
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -165,8 +168,9 @@ class TrainConfig:
 @dataclass
 class Config:
     """The whole run; TOML tables [model], [embedding.optimizer], [embedding.storage],
-    [dense_optimizer], [data], [data.synthetic], [data.criteo], [data.movielens], [train],
-    [checkpoint] (``neorec/train/checkpoint_config.py``)."""
+    [embedding.location] (``neorec/embedding/locations.py``), [embedding.comm]
+    (``neorec/sharding/qcomm.py``), [dense_optimizer], [data], [data.synthetic], [data.criteo],
+    [data.movielens], [train], [checkpoint] (``neorec/train/checkpoint_config.py``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
@@ -191,8 +195,54 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 
 
+class _NotToml(str):
+    """A ``--set`` value that TOML cannot read, kept as its text: fine for a string key
+    (``--set data.source=movielens``), an error naming the TOML error for any other key."""
+
+    toml_error = ""
+
+
+class _NotAString(ValueError):
+    """A non-string value for a string key (``--set train.output_dir=2024-01-01`` is a TOML date)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def _takes_text(tp: Any) -> bool:
+    """Whether a key of type ``tp`` accepts a bare string (str, Optional[str], List[str])."""
+    if tp is str:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        return any(_takes_text(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin in (list, List, Sequence):
+        return all(_takes_text(a) for a in typing.get_args(tp) or (str,))
+    return False
+
+
+def _expected(tp: Any, where: str) -> str:
+    """What a key of type ``tp`` takes, as the errors below say it."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return f"a table ([{where}])"
+    if origin in (list, List, Sequence):
+        return f"a list of {_type_name((typing.get_args(tp) or (Any,))[0])}"
+    if origin is typing.Union:
+        return _expected([a for a in typing.get_args(tp) if a is not type(None)][0], where)
+    if origin in (dict, Dict):
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, _type_name(tp))
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Check/convert one TOML value against a dataclass field type."""
+    if isinstance(value, _NotToml):
+        if not _takes_text(tp):
+            raise ValueError(f"config key {where!r} must be {_expected(tp, where)}, got {str(value)!r}, which is "
+                             f"not valid TOML ({value.toml_error})")
+        value = str(value)
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -225,8 +275,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ValueError(f"config key {where!r} must be a string, got {value!r}")
+            raise _NotAString(f"config key {where!r} must be a string, got {value!r}", where)
         return value
+    if origin in (dict, Dict) and isinstance(value, dict):  # a table of names, checked by its section
+        return {k: str(v) if isinstance(v, _NotToml) else v for k, v in value.items()}
     return value
 
 
@@ -267,7 +319,8 @@ def _did_you_mean(where: str) -> str:
 
 def parse_override(text: str) -> Tuple[List[str], Any]:
     """``"train.max_steps=100"`` -> (["train", "max_steps"], 100). The value is read as TOML
-    (numbers, booleans, quoted strings, [lists]); anything TOML can't read is taken as a string."""
+    (numbers, booleans, quoted strings, [lists], {tables}); anything TOML can't read is taken as
+    a string, which a key that is not a string refuses with the TOML error."""
     if "=" not in text:
         raise ValueError(f"--set expects section.key=value, got {text!r}")
     key, raw = text.split("=", 1)
@@ -276,9 +329,19 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
         raise ValueError(f"--set expects section.key=value, got {text!r}")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
+    except tomllib.TOMLDecodeError as exc:
+        value = _NotToml(raw.strip())
+        value.toml_error = _value_toml_error(str(exc))
     return path, value
+
+
+def _value_toml_error(message: str) -> str:
+    """tomllib's message about ``v = VALUE``, its position counted in VALUE."""
+    match = re.search(r" \(at line 1, column (\d+)\)$", message)
+    if match:
+        column = max(1, int(match.group(1)) - len("v = "))
+        return f"{message[:match.start()]} at character {column}"
+    return message.replace("(at end of document)", "at its end")
 
 
 def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
@@ -288,19 +351,51 @@ def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
         if not isinstance(child, dict):
             raise ValueError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
         node = child
-    node[path[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+        _merge(node[path[-1]], value)  # --set train={max_steps=5}: the section's other keys stay
+    else:
+        node[path[-1]] = value
 
 
-def config_from_dict(values: Dict[str, Any], overrides: Sequence[str] = ()) -> Config:
-    tree = json.loads(json.dumps(values))  # deep copy of plain data
+def _merge(into: Dict[str, Any], values: Dict[str, Any]) -> None:
+    """Deep-merge ``values`` into ``into``: tables key by key, any other value replaced."""
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def config_from_dict(values: Dict[str, Any], overrides: Sequence[str] = (), check_data: bool = False) -> Config:
+    """The config of ``values`` (TOML tables) with ``overrides`` applied; ``check_data``: also
+    check the data keys that must agree (see ``check_data_keys``)."""
+    tree = copy.deepcopy(values)
     for text in overrides:
         path, value = parse_override(text)
         _apply_override(tree, path, value)
-    return _build(Config, tree)
+    cfg = _build(Config, tree)
+    if check_data:
+        check_data_keys(cfg)
+    return cfg
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the TOML file (if any), then ``--set`` overrides, in that order."""
+def check_data_keys(cfg: Config) -> None:
+    """The data source's keys that must agree, which no section can check alone since ``--set``
+    may change them one at a time: ``data.synthetic.num_embeddings`` holds one value or
+    ``num_tables`` values; a Criteo source has a ``train_path``. ``neorec train`` and ``neorec
+    config`` check them at load time (``load_config(..., check_data=True)``), so that the error
+    names the ``--set`` or the file; otherwise the data source checks them when it is built."""
+    data = cfg.data
+    if data.source == "synthetic":
+        data.synthetic.table_sizes()  # num_embeddings: one value or num_tables values
+    elif data.source == "criteo" and not data.criteo.train_path:
+        raise ValueError("data.source is 'criteo' but data.criteo.train_path is empty: set it to a raw "
+                         "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), check_data: bool = False) -> Config:
+    """Defaults, then the TOML file (if any), then ``--set`` overrides, in that order.
+    ``check_data``: also check the data keys that must agree (``check_data_keys``)."""
     values: Dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -313,18 +408,45 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
     try:
-        return config_from_dict(values, overrides)
+        return config_from_dict(values, overrides, check_data)
     except ValueError as exc:
-        raise ValueError(f"{exc}{_blame(values, overrides, path)}") from None
+        blame = _blame(values, overrides, path, check_data)
+        raise ValueError(f"{exc}{blame}{_quote_hint(exc, overrides)}") from None
 
 
-def _blame(values: Dict[str, Any], overrides: Sequence[str], path: Optional[str | Path]) -> str:
+def _quote_hint(exc: ValueError, overrides: Sequence[str]) -> str:
+    """For a string key that a ``--set`` gave a number, date or boolean: how to quote it."""
+    if not isinstance(exc, _NotAString):
+        return ""
+    for text in reversed(overrides):  # the last --set of a key is the one that counts
+        key, _, raw = text.partition("=")
+        if ".".join(p for p in key.strip().split(".") if p) == exc.where:
+            quoted = shlex.quote(toml_string(raw.strip()))
+            return f"; to give it as a string, quote it: --set {exc.where}={quoted}"
+    return ""
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: what ``--set key=...`` reads as that string, whatever it holds."""
+    escaped = []
+    for char in text:
+        if char in '"\\':
+            escaped.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:  # control characters, newline and tab included
+            escaped.append(f"\\u{ord(char):04X}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def _blame(values: Dict[str, Any], overrides: Sequence[str], path: Optional[str | Path],
+           check_data: bool = False) -> str:
     """Where a config error comes from: the ``--set`` overrides that fail on their own (when the
     file alone is valid), else the file."""
 
     def fails(chosen: Sequence[str]) -> bool:
         try:
-            config_from_dict(values, chosen)
+            config_from_dict(values, chosen, check_data)
         except ValueError:
             return True
         return False

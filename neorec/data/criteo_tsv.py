@@ -264,9 +264,19 @@ def write_criteo_tsv(
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give the .tsv file to write")
+    folder = path.parent
+    if not folder.is_dir():  # said of the path given, not of the hidden temporary written first
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise FileNotFoundError(f"cannot write {path}: its directory {folder} {what}")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", newline="\n") as f:
+        try:
+            f = open(tmp, "w", newline="\n")
+        except OSError as exc:  # e.g. a folder without write permission
+            error = type(exc)(f"cannot write {path}: {exc.strerror or exc}")
+            error.errno = exc.errno
+            raise error from None
+        with f:
             blocks = source.blocks(SPLIT_TRAIN, 0, num_lines, 4096) if num_lines else []
             for block in blocks:
                 f.write("".join(_criteo_lines(block, rates, rng)))

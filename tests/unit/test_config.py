@@ -112,3 +112,83 @@ def test_config_round_trip_through_dict():
 def test_iter_config_keys_lists_leaves():
     keys = {k for k, _, _ in iter_config_keys()}
     assert {"train.max_steps", "data.synthetic.zipf_alpha", "embedding.storage.precision"} <= keys
+
+
+def test_set_of_a_whole_section_merges_into_it():
+    """`--set train={max_steps=5}` sets that key and keeps the file's other [train] values (it used
+    to replace the section, so they went back to the defaults without a word)."""
+    cfg = load_config(CONFIG_DIR / "tiny.toml", ["train={max_steps=5}",
+                                                 "data={synthetic={num_dense=2}, batch_size=64}"])
+    assert cfg.train.max_steps == 5
+    assert (cfg.train.log_every_steps, cfg.train.output_dir) == (20, "runs/tiny")  # from the file
+    assert (cfg.data.synthetic.num_dense, cfg.data.batch_size) == (2, 64)
+    assert cfg.data.synthetic.num_embeddings == [500, 1000, 2000, 300] and cfg.data.eval_batch_size == 2048
+    assert load_config(None, ["train={max_steps=5}"]).train.log_every_steps == 50  # no file: defaults
+    with pytest.raises(ValueError, match=r"'train.max_steps' must be an integer.*\(from --set train=\{max_steps=1.5\}\)"):
+        load_config(CONFIG_DIR / "tiny.toml", ["train={max_steps=1.5}"])
+
+
+def test_set_value_that_is_not_toml_says_so():
+    with pytest.raises(ValueError, match=r"^config key 'model.dense_layers' must be a list of int, got '\[16,', "
+                                         r"which is not valid TOML \(.+\) \(from --set model.dense_layers=\[16,\)$"):
+        load_config(None, ["model.dense_layers=[16,"])
+    with pytest.raises(ValueError, match=r"'train.max_steps' must be an integer, got 'x', which is not valid TOML"):
+        load_config(None, ["train.max_steps=x"])
+    with pytest.raises(ValueError, match=r"'train' must be a table \(\[train\]\), got '\{max_steps=5', which is not valid TOML"):
+        load_config(None, ["train={max_steps=5"])
+    cfg = load_config(None, ["data.source=movielens", "train.output_dir=runs/a b"])  # bare words: strings
+    assert (cfg.data.source, cfg.train.output_dir) == ("movielens", "runs/a b")
+    assert type(cfg.train.output_dir) is str
+    tables = load_config(None, ["embedding.location.tables.t_a=cached_dram"]).embedding.location.tables
+    assert tables == {"t_a": "cached_dram"} and type(tables["t_a"]) is str
+
+
+def test_non_string_set_for_a_string_key_suggests_quoting(tmp_path):
+    with pytest.raises(ValueError, match=r"^config key 'train.output_dir' must be a string, got datetime.date\(2024, 1, 1\) "
+                                         r"\(from --set train.output_dir=2024-01-01\); to give it as a string, "
+                                         r"quote it: --set train.output_dir='\"2024-01-01\"'$"):
+        load_config(None, ["train.seed=1", "train.output_dir=2024-01-01"])
+    with pytest.raises(ValueError, match=r"quote it: --set data.criteo.processed_dir='\"123\"'$"):
+        load_config(None, ["data.criteo.processed_dir=123"])
+    assert load_config(None, ['train.output_dir="2024-01-01"']).train.output_dir == "2024-01-01"
+    p = tmp_path / "date.toml"
+    p.write_text("[train]\noutput_dir = 2024-01-01\n")
+    with pytest.raises(ValueError, match=r"must be a string, got datetime.date\(2024, 1, 1\) \(in .*date.toml\)$"):
+        load_config(p)  # from a file: no --set to quote
+
+
+def test_data_keys_that_disagree_are_config_errors_naming_the_set(tmp_path):
+    """num_tables and the length of num_embeddings are checked once every --set is in (so they may
+    change one at a time), at load time for the CLI (check_data=True), naming the --set like any
+    config error (they used to be found when the data source was built, naming no --set)."""
+    tiny = CONFIG_DIR / "tiny.toml"
+    with pytest.raises(ValueError, match=r"data.synthetic.num_embeddings must hold one value .* or num_tables = 2 "
+                                         r"values, got 4: .* \(from --set data.synthetic.num_tables=2\)$"):
+        load_config(tiny, ["train.seed=2", "data.synthetic.num_tables=2"], check_data=True)
+    cfg = load_config(tiny, ["data.synthetic.num_tables=2", "data.synthetic.num_embeddings=[5, 6]"], check_data=True)
+    assert cfg.data.synthetic.table_sizes() == [5, 6]
+    cfg = load_config(tiny, ["data.synthetic.num_tables=2", "data.synthetic.num_embeddings=7"], check_data=True)
+    assert cfg.data.synthetic.table_sizes() == [7, 7]
+    cfg = load_config(tiny, ["data.synthetic.num_tables=2", "data.source=movielens"], check_data=True)
+    assert cfg.data.source == "movielens"  # the synthetic keys are not used
+    with pytest.raises(ValueError, match=r"data.criteo.train_path is empty.*\(from --set data.source=criteo\)$"):
+        load_config(None, ["data.source=criteo"], check_data=True)
+    p = tmp_path / "bad.toml"
+    p.write_text("[data.synthetic]\nnum_tables = 3\nnum_embeddings = [1, 2]\n")
+    with pytest.raises(ValueError, match=r"or num_tables = 3 values, got 2: \[1, 2\] \(in .*bad.toml\)$"):
+        load_config(p, check_data=True)
+    assert load_config(p).data.synthetic.num_tables == 3  # without check_data: left to the data source
+
+
+def test_config_docstring_names_every_section():
+    sections = {key.rsplit(".", 1)[0] for key, _, _ in iter_config_keys() if "." in key}
+    sections -= {"embedding.location.tables"}
+    doc = " ".join(Config.__doc__.split())
+    assert sorted(s for s in sections if f"[{s}]" not in doc) == []
+
+
+def test_toml_string_reads_back_as_the_same_text():
+    from neorec.config import toml_string
+
+    for text in ["plain", "a b", "123", "2024-01-01", "it's \"quoted\" \\ back", "new\nline\ttab\x7f\x00", "ü 😀"]:
+        assert parse_override(f"k={toml_string(text)}") == (["k"], text)

@@ -1,0 +1,116 @@
+"""What the `neorec` command line says and returns when something is missing or wrong, in-process."""
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from neorec.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def test_data_without_a_command_prints_its_usage_and_exits_2(capsys):
+    """`neorec data` alone is a usage error, as `neorec` alone is (it used to exit 0)."""
+    assert main(["data"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: neorec data") and "write-criteo" in out and "preprocess-criteo" in out
+    assert main([]) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])
+def test_neorec_traceback_off_values_show_no_traceback(monkeypatch, capsys, value):
+    monkeypatch.setenv("NEOREC_TRACEBACK", value)
+    assert main(["config", "--set", "train.max_steps=x"]) == 2
+    err = capsys.readouterr().err
+    assert "neorec config: error: config key 'train.max_steps' must be an integer" in err
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "true"])
+def test_neorec_traceback_on_values_raise(monkeypatch, value):
+    monkeypatch.setenv("NEOREC_TRACEBACK", value)
+    with pytest.raises(ValueError, match="train.max_steps"):
+        main(["config", "--set", "train.max_steps=x"])
+
+
+def test_write_criteo_into_a_missing_directory_names_the_path_given(tmp_path, capsys):
+    target = tmp_path / "nonexistdir" / "x.tsv"
+    assert main(["data", "write-criteo", str(target), "--lines", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"neorec data: error: cannot write {target}: its directory {target.parent} does not exist\n"
+    assert ".tmp-" not in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["data", "write-criteo", str(blocker / "x.tsv"), "--lines", "10"]) == 2
+    assert f"cannot write {blocker / 'x.tsv'}: its directory {blocker} is not a directory" in capsys.readouterr().err
+
+
+def test_unexpected_error_is_exactly_one_line(monkeypatch, capsys):
+    import neorec.cli as cli
+
+    def broken(args):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_config", broken)
+    assert main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith("neorec config: error: RuntimeError: boom second line (unexpected; ")
+    assert "`neorec --traceback config ...` shows where" in err
+
+
+def test_train_names_the_set_that_makes_data_keys_disagree(tmp_path, capsys):
+    rc = main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "run"), "--no-progress",
+               "--set", "data.synthetic.num_tables=2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("neorec train: error: data.synthetic.num_embeddings must hold one value")
+    assert err.rstrip().endswith("(from --set data.synthetic.num_tables=2)"), err
+    assert not (tmp_path / "run").exists()  # stopped at load time, before anything was built
+
+
+def test_set_of_a_section_keeps_the_files_other_keys(capsys):
+    assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
+    train = json.loads(capsys.readouterr().out)["train"]
+    assert (train["max_steps"], train["log_every_steps"], train["output_dir"]) == (5, 20, "runs/tiny")
+
+
+def test_set_messages_for_values_that_are_not_toml_or_not_strings(capsys):
+    assert main(["config", "--set", "model.dense_layers=[16,"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'model.dense_layers' must be a list of int, got '[16,', which is not valid TOML (" in err
+    assert "dense_layers[0]" not in err
+    assert main(["config", "--set", "train.output_dir=2024-01-01"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("quote it: --set train.output_dir='\"2024-01-01\"'"), err
+    hint = shlex.split(err.rsplit("quote it: ", 1)[1])  # the suggestion works as given
+    assert main(["config", *hint]) == 0
+    assert json.loads(capsys.readouterr().out)["train"]["output_dir"] == "2024-01-01"
+
+
+def test_preprocess_criteo_prints_a_command_that_works_in_a_shell(tmp_path, capsys, monkeypatch):
+    """Paths that TOML would read as a number (`123`) or that hold spaces and quotes: the printed
+    command quotes them as TOML strings, then for the shell."""
+    monkeypatch.chdir(tmp_path)
+    tsv = "it's a \"day\" 0.tsv"
+    assert main(["data", "write-criteo", tsv, "--lines", "600"]) == 0
+    assert main(["data", "preprocess-criteo", tsv, "123", "--num-embeddings", "1000"]) == 0
+    command = capsys.readouterr().out.splitlines()[-1]
+    prefix = "train on it with: neorec "
+    assert command.startswith(prefix)
+    args = shlex.split(command[len(prefix):])
+    shell = subprocess.run(["bash", "-c", "printf '%s\\0' " + command[len(prefix):]], capture_output=True,
+                           text=True, timeout=30, check=True)
+    assert shell.stdout.split("\0")[:-1] == args  # the shell reads the words shlex does
+    assert args[:3] == ["train", "--config", "configs/criteo.toml"]
+    rc = main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), *args[3:], "--no-progress",
+               "--output-dir", str(tmp_path / "run"), "--set", "train.max_steps=2",
+               "--set", "data.batch_size=64", "--set", "data.eval_batch_size=64"])
+    assert rc == 0, capsys.readouterr().err
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (cfg["data"]["criteo"]["train_path"], cfg["data"]["criteo"]["processed_dir"]) == (tsv, "123")
+    assert (tmp_path / "123" / "train").is_dir() and not (tmp_path / f"{tsv}.neorec").exists()
+    assert 'data.criteo.processed_dir="123"' in args and f"data.criteo.train_path={json.dumps(tsv)}" in args
