@@ -154,6 +154,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if launched is not None:
             launched[2].wait()
 
+    def abandon_launched_input_dist(self) -> None:
+        """Forget a launched exchange without completing it (a failed step: the ranks are out of
+        step and the run ends; completing it could meet another collective elsewhere)."""
+        self._launched = None
+
     def _local_batch(self, features: KeyedJaggedTensor) -> LocalBatch:
         launched = self._launched
         if launched is not None and launched[0] is features.values and launched[1] is features.lengths:

@@ -52,6 +52,13 @@ def sharded_collections(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
 
 
+def abandon_launched_exchanges(model: nn.Module) -> None:
+    """Forget the id exchanges launched ahead for ``model``'s sharded collections without
+    completing them: a step failed on this rank, the ranks are no longer in step, the run ends."""
+    for collection in sharded_collections(model):
+        collection.abandon_launched_input_dist()
+
+
 def plain_steps(items: Iterable[Tuple[Batch, Any]], device: torch.device | str,
                 timeline=None) -> Iterator[Tuple[Batch, Any, None]]:
     """The plain loop's counterpart of ``TrainPipeline.run``: ``(batch on device, extra, None)``,
@@ -167,6 +174,7 @@ class TrainPipeline:
 
     def close(self) -> None:
         """Complete and drop input all-to-alls launched for batches that will not run (the loop
-        stopped early). Every rank stops at the same step, so the exchanges still match."""
+        stopped early). Every rank stops at the same step, so the exchanges still match; after a
+        failed step the trainer abandons them first (``abandon_launched_exchanges``)."""
         for collection in self._sharded:
             collection.drop_launched_input_dist()

@@ -35,7 +35,7 @@ from neorec.train.allocator import reuse_freed_memory
 from neorec.train.checkpoint_tables import OFF_DEVICE_CHECKPOINTS
 from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
-from neorec.train.pipeline import TrainPipeline, plain_steps
+from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
 from neorec.train.timeline import StepTimeline
 
 
@@ -358,10 +358,12 @@ class Trainer:
         try:
             stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
+                remaining = cfg.max_steps - self.step if cfg.max_steps else None
                 with PrefetchLoader(self._train_batches(epoch, batch_in_epoch),
-                                    depth=self.cfg.data.prefetch_batches) as loader:
-                    remaining = cfg.max_steps - self.step if cfg.max_steps else None
-                    for batch, size, hooks in self._steps(loader, remaining):
+                                    depth=self.cfg.data.prefetch_batches) as loader, \
+                        self._step_stream(loader, remaining) as steps:
+                    step_start = time.perf_counter()  # not the previous epoch's evaluation
+                    for batch, size, hooks in steps:
                         try:
                             loss = self.train_step(batch, size, hooks)
                         except NonFiniteLossError as exc:
@@ -416,6 +418,23 @@ class Trainer:
             log.close()
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
+
+    @contextlib.contextmanager
+    def _step_stream(self, loader, max_steps: Optional[int]):
+        """``_steps`` closed on leaving. A step that raised leaves the ranks out of step: an id
+        exchange the pipeline launched for the next batch is dropped, not completed (completing
+        it would meet another collective on the other ranks: gloo aborts the process, and the
+        error that stopped the step is never shown)."""
+        steps = self._steps(loader, max_steps)
+        try:
+            yield steps
+        except NonFiniteLossError:  # every rank stops at this step (the loss is all-reduced)
+            raise
+        except BaseException:
+            abandon_launched_exchanges(self.model)
+            raise
+        finally:
+            steps.close()
 
     def _steps(self, loader, max_steps: Optional[int] = None):
         """(batch on the device, global batch size, StepHooks or None) per step: through

@@ -134,3 +134,31 @@ def codec_training(rank: int, world: int, group, directory: str) -> Dict:
                       "backward_bytes": stats.bytes_sent.get("output_dist.backward", 0)}
         del trainer
     return out
+
+
+def fail_between_forward_and_backward(rank: int, world: int, group, directory: str) -> str:
+    """Rank 1 raises between its third step's forward and backward, while the pipeline has the
+    next batch's id exchange launched; returns what each rank raised."""
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.pipeline import StepHooks
+    from neorec.train.trainer import Trainer
+
+    calls = {"n": 0}
+    after_forward = StepHooks.after_forward
+
+    def failing(self):
+        after_forward(self)
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 3:
+            raise RuntimeError("injected failure after the forward of step 3")
+
+    StepHooks.after_forward = failing
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    trainer = Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64), out=io.StringIO(),
+                      distributed=context)
+    try:
+        trainer.fit()
+    except RuntimeError as exc:
+        return f"raised: {exc}"
+    return "finished"

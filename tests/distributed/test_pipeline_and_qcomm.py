@@ -70,3 +70,14 @@ def test_two_rank_training_with_each_codec_ends_within_0_3_percent_ne_of_fp32(tm
         assert out["fp16"]["backward_bytes"] < 0.51 * out["fp32"]["backward_bytes"]
         assert out["bf16"]["bytes"] * 2 == out["fp32"]["bytes"]
     print({codec: round(v["ne"], 5) for codec, v in results[0].items()})
+
+
+def test_a_rank_failing_mid_step_stops_with_its_own_error(tmp_path):
+    """A step that raises on one rank between forward and backward must not complete the id
+    exchange launched for the next batch (the other rank is in another collective: gloo aborted
+    the process and the error was never shown); the failing rank ends with its own error, the
+    other with a lost peer."""
+    results = run_ranks(pipeline_workers.fail_between_forward_and_backward, 2, tmp_path, args=(str(tmp_path),),
+                        timeout=120)
+    assert results[1] == "raised: injected failure after the forward of step 3"
+    assert results[0].startswith("raised: "), results[0]

@@ -34,7 +34,7 @@ def read_log(tmp_path):
 
 
 class FakeClock:
-    """The trainer's clock: a step takes 1 s, an evaluation 100 s."""
+    """A clock that moves only when told."""
 
     def __init__(self):
         self.now = 0.0
@@ -43,7 +43,8 @@ class FakeClock:
         return self.now
 
 
-def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_path, monkeypatch):
+def fake_time(monkeypatch):
+    """The trainer's clock: a step takes 1 s, an evaluation 100 s."""
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "time", clock)
     step, evaluate = Trainer.train_step, Trainer.evaluate
@@ -58,7 +59,21 @@ def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_p
 
     monkeypatch.setattr(Trainer, "train_step", timed_step)
     monkeypatch.setattr(Trainer, "evaluate", timed_eval)
-    make_trainer(tmp_path, "train.eval_every_steps=4").fit()
+
+
+def test_the_step_timeline_leaves_the_epoch_end_evaluation_out(tmp_path, monkeypatch):
+    fake_time(monkeypatch)
+    trainer = make_trainer(tmp_path, "train.profile=true")  # evaluates at the end of epoch 0
+    trainer.fit()
+    assert [r["step"] for r in read_log(tmp_path) if r["kind"] == "eval"] == [8]
+    assert trainer.timeline.steps == 16 and trainer.timeline.step_seconds == 16.0
+
+
+def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_path, monkeypatch):
+    fake_time(monkeypatch)
+    trainer = make_trainer(tmp_path, "train.eval_every_steps=4", "train.profile=true")
+    trainer.fit()
+    assert trainer.timeline.steps == 16 and trainer.timeline.step_seconds == 16.0  # no evaluation in a step
     records = read_log(tmp_path)
     train = [r for r in records if r["kind"] == "train"]
     assert [(r["step"], r["epoch"]) for r in train] == [(3, 0), (6, 0), (8, 0), (9, 1), (12, 1), (15, 1), (16, 1)]
