@@ -274,7 +274,9 @@ def _print_result(result) -> None:
     else:
         print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
               f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
-    print(f"training: {result.steps} steps, {result.samples:,} samples in {result.train_seconds:.1f} s, "
+    resumed = f" ({result.steps - result.first_step} after resuming at step {result.first_step})" \
+        if result.first_step else ""
+    print(f"training: {result.steps} steps{resumed}, {result.samples:,} samples in {result.train_seconds:.1f} s, "
           f"QPS {result.qps:,.0f} samples/s")
     if result.metrics_path:
         print(f"metrics log: {result.metrics_path}", flush=True)

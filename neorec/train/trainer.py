@@ -53,6 +53,8 @@ class TrainResult:
     qps: float
     final_eval: Dict[str, float] = field(default_factory=dict)
     metrics_path: Optional[str] = None
+    first_step: int = 0  # the step this run started from (resumed: the checkpoint's); samples and
+    # seconds count this run's steps only, ``steps`` is the total
 
 
 def resolve_device(name: str) -> torch.device:
@@ -352,7 +354,7 @@ class Trainer:
                   file=self.out, flush=True)
         bar = tqdm(total=total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), file=self.out,
                    unit="step", dynamic_ncols=True, mininterval=0.5)
-        samples, eval_seconds = 0, 0.0
+        samples, eval_seconds, first_step = 0, 0.0, self.step
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
         start = step_start = time.perf_counter()
         try:
@@ -409,7 +411,7 @@ class Trainer:
             for collection in cached_collections(self.model):
                 collection.flush()  # every cached row back in its store
             qps = samples / max(train_seconds, 1e-9)
-            log.write({"kind": "final", "step": self.step, "samples": samples,
+            log.write({"kind": "final", "step": self.step, "first_step": first_step, "samples": samples,
                        "train_seconds": train_seconds, "qps": qps, **final_eval})
             if self.timeline is not None:
                 self._report_timeline(writes, train_comm)
@@ -417,7 +419,8 @@ class Trainer:
             bar.close()
             log.close()
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
-                           final_eval=final_eval, metrics_path=str(log.path) if log.path else None)
+                           final_eval=final_eval, metrics_path=str(log.path) if log.path else None,
+                           first_step=first_step)
 
     @contextlib.contextmanager
     def _step_stream(self, loader, max_steps: Optional[int]):

@@ -88,8 +88,10 @@ def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_p
 def test_a_resumed_run_has_one_final_record_and_keeps_the_earlier_end_as_an_eval(tmp_path):
     ckpt = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=4"]
     make_trainer(tmp_path, "train.epochs=1", *ckpt).fit()
-    make_trainer(tmp_path, *ckpt, resume=str(tmp_path / "ckpt")).fit()
+    result = make_trainer(tmp_path, *ckpt, resume=str(tmp_path / "ckpt")).fit()
+    assert (result.first_step, result.steps, result.samples) == (8, 16, 1000)  # samples: this run's
     records = read_log(tmp_path)
+    assert records[-1]["first_step"] == 8 and records[-1]["samples"] == 1000
     assert [(r["kind"], r["step"]) for r in records if r["kind"] != "train"] == [("eval", 8), ("final", 16)]
     earlier = records[[r["kind"] for r in records].index("eval")]
     assert earlier["epoch"] == 0 and 0 < earlier["auc"] < 1 and "qps" not in earlier
@@ -120,3 +122,11 @@ def test_a_new_run_says_that_it_replaces_an_earlier_runs_log(tmp_path):
     make_trainer(tmp_path, "train.max_steps=2", out=second).fit()
     assert f"train.output_dir {tmp_path / 'run'}: replacing the metrics.jsonl" in second.getvalue()
     assert [r["kind"] for r in read_log(tmp_path)] == ["train", "final"]
+
+
+def test_the_summary_of_a_resumed_run_says_which_steps_it_trained(capsys):
+    from neorec.cli import _print_result
+    from neorec.train.trainer import TrainResult
+
+    _print_result(TrainResult(steps=70, samples=5120, train_seconds=2.0, qps=2560.0, first_step=50))
+    assert "training: 70 steps (20 after resuming at step 50), 5,120 samples in 2.0 s" in capsys.readouterr().out
