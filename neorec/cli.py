@@ -14,9 +14,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import sys
+import threading
 from typing import List, Optional, Sequence
 
 EXIT_USAGE = 2
@@ -168,13 +171,47 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return launch_local(args.nproc, list(argv))
     if args.plan is not None:
         raise ValueError("--plan needs several processes: add --nproc N or start with torchrun")
+    from neorec.train.launch import Terminated
     from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
     trainer = Trainer(cfg, resume=args.resume)
     _print_header(cfg, trainer)
-    _print_result(trainer.fit())
+    with _terminate_raises():
+        try:
+            result = trainer.fit()
+        except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
+            print(f"neorec train: stopped after step {trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
+            raise
+    _print_result(result)
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """SIGTERM / SIGHUP raise ``Terminated`` in a single-process run (as Ctrl-C raises
+    KeyboardInterrupt), so that it ends through the same report instead of dying silently."""
+    from neorec.train.launch import _raise_terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _resume_hint(trainer) -> str:
+    checkpointer = trainer.checkpointer
+    saved = checkpointer.last_saved_step if checkpointer is not None else None
+    if checkpointer is None or checkpointer.root is None:
+        return " (no checkpoints: set checkpoint.dir to be able to resume)"
+    if saved is None:
+        return " (no checkpoint saved yet)"
+    return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
 
 
 def _train_distributed(args: argparse.Namespace) -> int:
@@ -381,7 +418,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"neorec {args.command}{where}: interrupted", file=sys.stderr)
         return 130
     except Terminated as exc:
-        print(f"neorec {args.command}: {exc} received; stopped every rank", file=sys.stderr)
+        ranks = " every rank" if getattr(args, "nproc", None) else ""
+        print(f"neorec {args.command}: {exc} received; stopped{ranks}", file=sys.stderr)
         return 128 + exc.signum
     except Exception as exc:  # not foreseen (or a peer rank died): one line and how to see more
         if show_traceback:

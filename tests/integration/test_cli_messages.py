@@ -114,3 +114,33 @@ def test_preprocess_criteo_prints_a_command_that_works_in_a_shell(tmp_path, caps
     assert (cfg["data"]["criteo"]["train_path"], cfg["data"]["criteo"]["processed_dir"]) == (tsv, "123")
     assert (tmp_path / "123" / "train").is_dir() and not (tmp_path / f"{tsv}.neorec").exists()
     assert 'data.criteo.processed_dir="123"' in args and f"data.criteo.train_path={json.dumps(tsv)}" in args
+
+
+@pytest.mark.parametrize("signum, code, why", [(2, 130, "interrupted"), (15, 143, "SIGTERM received; stopped")])
+def test_a_stopped_single_process_run_says_where_and_how_to_resume(tmp_path, signum, code, why):
+    """Ctrl-C or SIGTERM of `neorec train`: the step it stopped after and the checkpoint to resume
+    from (SIGTERM killed the process without a word)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.Popen([sys.executable, "-m", "neorec", "train", "--config", str(TINY), "--no-progress",
+                            "--output-dir", str(tmp_path / "run"), "--set", "train.epochs=1000",
+                            "--set", f"checkpoint.dir='{ckpt}'", "--set", "checkpoint.every_steps=5"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, NEOREC_TRACEBACK=""))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ckpt.glob("step-*")) and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        run.send_signal(signum)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == code, err
+    assert why in err, err
+    stopped = [line for line in err.splitlines() if line.startswith("neorec train: stopped after step ")]
+    assert len(stopped) == 1 and "its last checkpoint is of step " in stopped[0], err
+    assert f"--resume {ckpt} goes on from there" in stopped[0], err
