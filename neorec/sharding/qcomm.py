@@ -10,15 +10,28 @@ into bytes, the all-to-all moves uint8, the receiver decodes back to fp32):
 
 - ``fp32``: the bytes as they are (4 per value).
 - ``fp16``: 2 bytes per value plus one fp32 scale per block: a power of two chosen from the
-  block's largest magnitude so that it lands in [2^14, 2^15). This is automatic loss scaling done
-  per message: small gradients (of a loss averaged over a large batch) are lifted out of fp16's
-  subnormal range, large values never overflow, and the scaling is exact (a power of two), so no
-  step is ever skipped. Relative error <= 2^-11 for every value of magnitude >= 2^-29 of the
-  block's largest (smaller ones: absolute error <= 2^-40 times the largest).
-- ``bf16``: 2 bytes per value (fp32's exponent range: no scaling needed). Relative error <= 2^-8.
+  block's largest finite magnitude so that it lands in [2^14, 2^15). This is automatic loss
+  scaling done per message: small gradients (of a loss averaged over a large batch) are lifted out
+  of fp16's subnormal range, large values never overflow, and the scaling is exact (a power of
+  two), so no step is ever skipped. Relative error <= 2^-11 for every value of magnitude >= 2^-28
+  of the block's largest (those land on fp16 normals); smaller ones (fp16 subnormals after
+  scaling): absolute error <= 2^-39 times the largest.
+- ``bf16``: 2 bytes per value (fp32's exponent range: no scaling needed). Relative error <= 2^-8
+  (finite values beyond bf16's largest, about +-3.39e38, become +-inf).
 - ``int8``: row-wise: each row's min and step (max - min) / 255, two fp32 per row, then one uint8
-  per value rounded to nearest. Absolute error <= (max - min) / 510 per row (half a step; a
-  constant row is exact). Bytes per row: dim + 8.
+  per value rounded to nearest. Absolute error <= (max - min) / 510 + ulp(max |x|) per row (half a
+  step, plus one fp32 ulp of the row's largest magnitude for the fp32 arithmetic of the step and
+  of the decoding, which matters for rows whose spread is only a few hundred ulps; a constant row
+  is exact). Bytes per row: dim + 8.
+
+Non-finite values (NaN, +-inf) are passed on, never refused, by every codec: fp32, fp16 and bf16
+element by element (NaN as NaN, +-inf as +-inf), int8 row by row (a row holding one, or whose
+values span more than fp32's range (e.g. -3e38 .. 3e38, a diverged run), decodes as all NaN). So a quantized run fails as the fp32 one does: non-finite forward values reach the loss,
+whose check (``Trainer._check_finite``, on the all-reduced loss) stops every rank at the same
+step; a non-finite gradient reaches the embedding update as an fp32 one would (and the next
+step's loss check stops the run). Raising on the sending rank instead would leave the other ranks
+blocked in this all-to-all until the sender's process exits or the collective times out, then
+failing with a lost-connection error that hides the cause.
 
 Sharding types: every sharding type returns its pooled rows with ONE all-to-all
 (``output_dist.py``): table-, column- and table-column-wise pieces are placed by column; row-wise
@@ -97,10 +110,8 @@ class HalfCodec(Codec):
         block = block.to(torch.float32).reshape(-1)
         if block.numel() == 0:
             return torch.zeros(0, dtype=torch.uint8, device=block.device)
-        largest = block.abs().max()
-        if not bool(torch.isfinite(largest)):
-            raise ValueError("quantized communication (fp16): a non-finite value in the pooled embeddings or "
-                             "their gradients; check the learning rates")
+        # NaN / +-inf do not choose the scale and go through as they are (module docstring)
+        largest = block.abs().nan_to_num_(0.0, posinf=0.0, neginf=0.0).max()
         exponent = torch.frexp(largest)[1]  # 0 for an all-zero block: any scale encodes it exactly
         scale = torch.ldexp(torch.ones(1, device=block.device),
                             (self._TARGET_EXPONENT + 1 - exponent).clamp(-126, 127).reshape(1))
@@ -142,9 +153,13 @@ class Int8RowwiseCodec(Codec):
             return torch.zeros(self.num_bytes(rows, dim), dtype=torch.uint8, device=block.device)
         low, high = block.aminmax(dim=1)
         step = (high - low) / 255.0
+        # NaN / +-inf in the row, or a span beyond fp32's range (the step is inf): all NaN decoded
+        finite = torch.isfinite(step)
         step = torch.where(step > 0, step, torch.ones_like(step))
-        codes = ((block - low[:, None]) / step[:, None]).round_().clamp_(0, 255).to(torch.uint8)
-        header = torch.stack([low, step], dim=1).contiguous()
+        codes = ((block - low[:, None]) / step[:, None]).round_().clamp_(0, 255)
+        codes = codes.masked_fill_(~finite[:, None], 0).to(torch.uint8)
+        nan = torch.full_like(low, float("nan"))
+        header = torch.stack([torch.where(finite, low, nan), torch.where(finite, step, nan)], dim=1).contiguous()
         return torch.cat([header.reshape(-1).view(torch.uint8), codes.reshape(-1)])
 
     def decode(self, payload: torch.Tensor, rows: int, dim: int) -> torch.Tensor:

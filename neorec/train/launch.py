@@ -3,12 +3,14 @@
     neorec train --config configs/tiny.toml --nproc 2
 
 Each rank is ``python -m neorec <same arguments>`` with torchrun's environment (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). When a rank exits with an
-error the others are stopped at once (they would otherwise wait in a collective until its timeout)
-and its exit code is returned. Ctrl-C, SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch
-scheduler or ``docker stop`` send) stop them all; on Linux a rank also receives SIGTERM when the
-launcher dies without a chance to clean up (SIGKILL), so no rank outlives it. For several nodes
-use torchrun.
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR=127.0.0.1, a free MASTER_PORT); the other
+variables torchrun sets (TORCHELASTIC_*, GROUP_WORLD_SIZE, ROLE_*), if the launcher's environment
+holds any, are not passed on. When a rank exits with an error the others are stopped at once (they
+would otherwise wait in a collective until its timeout) and its exit code is returned (128 + N for
+a rank killed by signal N, e.g. 137 for SIGKILL, and the message names the signal). Ctrl-C,
+SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch scheduler or ``docker stop`` send)
+stop them all; on Linux a rank also receives SIGTERM when the launcher dies without a chance to
+clean up (SIGKILL), so no rank outlives it. For several nodes use torchrun.
 """
 
 from __future__ import annotations
@@ -33,8 +35,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# what torchrun (its elastic agent) sets for its workers: left over in our environment (neorec run
+# from inside a torchrun worker, a job script that exported them) they would describe another job,
+# e.g. TORCHELASTIC_RESTART_COUNT + TORCHELASTIC_USE_AGENT_STORE make a rank wait for a store that
+# no one serves; ``rank_environment`` drops them and sets its own
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_PREFIXES = ("TORCHELASTIC_",)  # RESTART_COUNT, MAX_RESTARTS, RUN_ID, USE_AGENT_STORE, ERROR_FILE, ...
+
+
 def rank_environment(rank: int, nproc: int, port: int, base: Optional[dict] = None) -> dict:
-    env = dict(os.environ if base is None else base)
+    """The environment of local rank ``rank`` of ``nproc``: ``base`` (default ``os.environ``)
+    without torchrun's variables, plus the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR, MASTER_PORT."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in TORCHRUN_VARIABLES and not k.startswith(TORCHRUN_PREFIXES)}
     env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return env
@@ -83,9 +98,22 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated(signum)
 
 
+def _how_it_ended(returncode: int) -> str:
+    """'exited with code 3' or, for a rank killed by a signal (``Popen.returncode`` -N), 'was
+    killed by SIGKILL'."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
 def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int:
     """Run ``python -m <module> *argv`` as ``nproc`` ranks; 0 when all succeed, else the exit code
-    of the first rank that failed. SIGTERM / SIGHUP stop every rank and raise ``Terminated``."""
+    of the first rank that failed (128 + N when it was killed by signal N, as a shell reports it).
+    SIGTERM / SIGHUP stop every rank and raise ``Terminated``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     port = free_port()
@@ -105,9 +133,9 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
             if failed:
                 rank, code = failed[0]
                 _stop(processes)
-                print(f"neorec: rank {rank} of {nproc} exited with code {code}; stopped the other ranks",
+                print(f"neorec: rank {rank} of {nproc} {_how_it_ended(code)}; stopped the other ranks",
                       file=sys.stderr, flush=True)
-                return code if code > 0 else 1
+                return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(_POLL_SECONDS)

@@ -58,6 +58,24 @@ def test_failing_rank_stops_the_others(monkeypatch):
     assert time.monotonic() - start < 60
 
 
+KILLED_RANK = """import os, signal, time
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(sys.platform.startswith("win"), reason="POSIX signals")
+def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(tmp_path, monkeypatch, capsys):
+    """`kill -9` of a rank: the launcher returns 137 (was 1) and names the signal."""
+    (tmp_path / "killed_rank.py").write_text(KILLED_RANK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    start = time.monotonic()
+    assert launch_local(2, [], module="killed_rank") == 128 + signal.SIGKILL
+    assert "neorec: rank 1 of 2 was killed by SIGKILL; stopped the other ranks" in capsys.readouterr().err
+    assert time.monotonic() - start < 60
+
+
 def _parent_if_alive(pid: int):
     """The parent pid of ``pid`` while it runs (not a zombie), else None."""
     try:
