@@ -139,7 +139,7 @@ class MetricsLog:
                     if record.get("kind") == "final":
                         if "auc" not in record:  # the run had no eval set
                             continue
-                        for key in ("samples", "train_seconds", "qps"):
+                        for key in ("samples", "train_seconds", "qps", "first_step"):
                             record.pop(key, None)
                         line = json.dumps(dict(record, kind="eval", epoch=epoch), sort_keys=True)
                     kept.append(line + "\n")
