@@ -281,11 +281,13 @@ def _fit_distributed(cfg, context, plan, resume=None):
 
 
 def _train_config(args: argparse.Namespace):
+    from neorec.config import toml_string
+
     extra: List[str] = []
     if args.max_steps is not None:
         extra.append(f"train.max_steps={args.max_steps}")
     if args.output_dir is not None:
-        extra.append(f"train.output_dir={_toml_string(args.output_dir)}")
+        extra.append(f"train.output_dir={toml_string(args.output_dir)}")
     if args.no_progress:
         extra.append("train.progress=false")
     if args.no_pipeline:
@@ -328,6 +330,7 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.data_command is None:  # `neorec data` alone: its commands' usage, as `neorec` alone does
         _subparser(parser, "data").print_help()
         return EXIT_USAGE
+    from neorec.config import toml_string
     from neorec.data import criteo
 
     if args.data_command == "write-criteo":
@@ -336,7 +339,7 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.data_command == "preprocess-criteo":
         processed = args.processed_dir or f"{args.tsv}.neorec"
-        sets = [f"data.criteo.train_path={_toml_string(args.tsv)}"]
+        sets = [f"data.criteo.train_path={toml_string(args.tsv)}"]
         for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")]:
             if tsv is None:
                 continue
@@ -349,9 +352,9 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for example in stats.skipped_examples:
                 print(f"  skipped {example}")
         if args.eval_tsv is not None:
-            sets.append(f"data.criteo.eval_path={_toml_string(args.eval_tsv)}")
+            sets.append(f"data.criteo.eval_path={toml_string(args.eval_tsv)}")
         if args.processed_dir is not None:
-            sets.append(f"data.criteo.processed_dir={_toml_string(args.processed_dir)}")
+            sets.append(f"data.criteo.processed_dir={toml_string(args.processed_dir)}")
         sets.append(f"data.criteo.num_embeddings={args.num_embeddings}")
         if args.skip_malformed:
             sets.append("data.criteo.skip_malformed=true")
@@ -429,8 +432,3 @@ def _main(argv: Optional[Sequence[str]]) -> int:
               f"`neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
         return 1
 
-
-def _toml_string(text: str) -> str:
-    from neorec.config import toml_string
-
-    return toml_string(text)

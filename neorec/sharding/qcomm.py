@@ -158,8 +158,7 @@ class Int8RowwiseCodec(Codec):
         step = torch.where(step > 0, step, torch.ones_like(step))
         codes = ((block - low[:, None]) / step[:, None]).round_().clamp_(0, 255)
         codes = codes.masked_fill_(~finite[:, None], 0).to(torch.uint8)
-        nan = torch.full_like(low, float("nan"))
-        header = torch.stack([torch.where(finite, low, nan), torch.where(finite, step, nan)], dim=1).contiguous()
+        header = torch.stack([low, step], dim=1).masked_fill_(~finite[:, None], float("nan"))
         return torch.cat([header.reshape(-1).view(torch.uint8), codes.reshape(-1)])
 
     def decode(self, payload: torch.Tensor, rows: int, dim: int) -> torch.Tensor:

@@ -299,9 +299,9 @@ class Trainer:
                                gather_to_all(acc.labels().to(self.device), group).cpu())
 
     # ------------------------------------------------------------------------------ loop
-    def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int) -> float:
-        """Evaluate, log and print; returns the seconds it took (not counted as training time).
-        Nothing without an eval set."""
+    def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int, window: Dict[str, Any]) -> float:
+        """Evaluate, log and print; returns the seconds it took, which are not training time: the
+        train ``window``'s start moves by them too. Nothing without an eval set."""
         if not self.source.num_eval_samples():
             return 0.0
         t0 = time.perf_counter()
@@ -309,7 +309,9 @@ class Trainer:
         log.write({"kind": "eval", "step": self.step, "epoch": epoch, **metrics})
         if self.is_main:
             bar.write(_format_eval(self.step, metrics), file=self.out)
-        return time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        window["start"] += spent
+        return spent
 
     def _train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Tuple[Batch, int]]:
         """(this rank's batch, global batch size) for every global batch of the epoch from
@@ -388,9 +390,7 @@ class Trainer:
                             break
                         if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0 \
                                 and self.step != total_steps:  # the last step's eval is the final one
-                            spent = self._eval_and_log(log, bar, epoch)
-                            eval_seconds += spent
-                            window["start"] += spent  # the window's QPS counts training time only
+                            eval_seconds += self._eval_and_log(log, bar, epoch, window)
                         step_start = time.perf_counter()
                 if self.step == 0:
                     raise ValueError("the training data yielded no batches")
@@ -398,9 +398,7 @@ class Trainer:
                     self._log_train(log, bar, window, epoch)
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
                 if not stop and not cfg.eval_every_steps and not last_epoch:
-                    spent = self._eval_and_log(log, bar, epoch)
-                    eval_seconds += spent
-                    window["start"] += spent
+                    eval_seconds += self._eval_and_log(log, bar, epoch, window)
                 epoch, batch_in_epoch = epoch + 1, 0
             if self.checkpointer is not None:
                 self.checkpointer.finish()
