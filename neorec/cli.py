@@ -22,7 +22,8 @@ import sys
 import threading
 from typing import List, Optional, Sequence
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # the command as given cannot run: bad option, config, input file or folder
+EXIT_FAILED = 1  # it ran and failed: training diverged (non-finite loss), an unforeseen error
 
 
 def _config_keys_help() -> str:
@@ -416,7 +417,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if show_traceback:
             raise
         print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return getattr(exc, "exit_code", EXIT_USAGE)  # a diverged run failed (1); it was not misused
     except KeyboardInterrupt:
         print(f"neorec {args.command}{where}: interrupted", file=sys.stderr)
         return 130
@@ -430,5 +431,5 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         message = " ".join(str(exc).split())  # one line, whatever the exception's text holds
         print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
               f"`neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 

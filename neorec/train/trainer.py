@@ -40,7 +40,13 @@ from neorec.train.timeline import StepTimeline
 
 
 class NonFiniteLossError(ValueError):
-    """The training loss became NaN or infinite; training stops before the update is applied."""
+    """The training loss became NaN or infinite; training stops before the update is applied.
+
+    A ValueError (the message is for the user, no stack trace) whose command exits 1, a failed run,
+    not 2 as for a command that could not run as given.
+    """
+
+    exit_code = 1
 
 
 @dataclass

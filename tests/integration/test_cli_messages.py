@@ -72,6 +72,17 @@ def test_train_names_the_set_that_makes_data_keys_disagree(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # stopped at load time, before anything was built
 
 
+def test_a_diverged_run_exits_1_not_the_usage_code(tmp_path, capsys):
+    """A non-finite loss is a failed run (exit 1); it exited 2, the code of a command that could not
+    run as given, so scripts retrying on 1 took it for a mistyped option."""
+    rc = main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "run"), "--no-progress",
+               "--set", "dense_optimizer.kind='sgd'", "--set", "dense_optimizer.learning_rate=1e30"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert err.startswith("neorec train: error: training loss is nan at step "), err
+    assert err.count("\n") == 1
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
