@@ -382,15 +382,17 @@ def config_from_dict(values: Dict[str, Any], overrides: Sequence[str] = (), chec
 def check_data_keys(cfg: Config) -> None:
     """The data source's keys that must agree, which no section can check alone since ``--set``
     may change them one at a time: ``data.synthetic.num_embeddings`` holds one value or
-    ``num_tables`` values; a Criteo source has a ``train_path``. ``neorec train`` and ``neorec
-    config`` check them at load time (``load_config(..., check_data=True)``), so that the error
-    names the ``--set`` or the file; otherwise the data source checks them when it is built."""
+    ``num_tables`` values; a Criteo source has a ``train_path``; ``embedding.location.tables``
+    names tables the source makes. ``neorec train`` and ``neorec config`` check them at load time
+    (``load_config(..., check_data=True)``), so that the error names the ``--set`` or the file;
+    otherwise the data source and the model check them when they are built."""
     data = cfg.data
     if data.source == "synthetic":
         data.synthetic.table_sizes()  # num_embeddings: one value or num_tables values
     elif data.source == "criteo" and not data.criteo.train_path:
         raise ValueError("data.source is 'criteo' but data.criteo.train_path is empty: set it to a raw "
                          "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
+    cfg.embedding.location.check_table_names(data.table_names())
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), check_data: bool = False) -> Config:

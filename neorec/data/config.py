@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from typing import List
 
 DATA_SOURCES = ("synthetic", "criteo", "movielens")
+CRITEO_CATEGORICAL = 26  # hexadecimal categorical columns of a Criteo line: features cat_0 .. cat_25
+MOVIELENS_FEATURES = ["user", "item", "age", "gender", "occupation", "zip", "release_year", "genres"]
+
+
+def table_name(feature: str) -> str:
+    """Every source has one table per sparse feature, named after it."""
+    return f"t_{feature}"
 
 
 @dataclass
@@ -92,6 +99,9 @@ class SyntheticConfig:
             return self.num_embeddings * self.num_tables
         return list(self.num_embeddings)
 
+    def feature_names(self) -> List[str]:
+        return [f"feature_{t}" for t in range(self.num_tables)]
+
 
 @dataclass
 class CriteoConfig:
@@ -133,6 +143,9 @@ class CriteoConfig:
             raise ValueError(f"{where}.seed must be >= 0, got {self.seed}")
 
 
+    def feature_names(self) -> List[str]:
+        return [f"cat_{i}" for i in range(CRITEO_CATEGORICAL)]
+
 @dataclass
 class MovieLensConfig:
     """MovieLens-100k as click data (label = rating >= min_rating_positive), split in time: the
@@ -156,6 +169,9 @@ class MovieLensConfig:
         if self.seed < 0:
             raise ValueError(f"data.movielens.seed must be >= 0, got {self.seed}")
 
+    def feature_names(self) -> List[str]:
+        return list(MOVIELENS_FEATURES)
+
 
 @dataclass
 class DataConfig:
@@ -177,3 +193,7 @@ class DataConfig:
             raise ValueError("data.batch_size and data.eval_batch_size must be > 0")
         if self.prefetch_batches < 0:
             raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+
+    def table_names(self) -> List[str]:
+        """The tables the chosen source makes (``t_<feature>``), known before any data is read."""
+        return [table_name(f) for f in getattr(self, self.source).feature_names()]

@@ -371,7 +371,7 @@ class CriteoSource:
                              f"(label, {NUM_INTEGER} integer and {NUM_CATEGORICAL} hexadecimal columns)")
         self.cfg = cfg
         self.num_dense = NUM_INTEGER
-        self.feature_names = [f"cat_{i}" for i in range(NUM_CATEGORICAL)]
+        self.feature_names = cfg.feature_names()
         processed = Path(cfg.processed_dir or f"{cfg.train_path}.neorec")
         args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines)
         self._train = load_or_preprocess(cfg.train_path, processed / "train", *args)

@@ -18,12 +18,12 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from neorec.data.config import SyntheticConfig
+from neorec.data.config import CRITEO_CATEGORICAL, SyntheticConfig
 from neorec.data.source import GOLDEN64, splitmix64, splitmix64_int
 from neorec.data.synthetic import SPLIT_TRAIN, SampleBlock, SyntheticSource
 
 NUM_INTEGER = 13
-NUM_CATEGORICAL = 26
+NUM_CATEGORICAL = CRITEO_CATEGORICAL
 NUM_COLUMNS = 1 + NUM_INTEGER + NUM_CATEGORICAL
 MAX_INTEGER_DIGITS = 18  # |x| < 10^18 fits int64
 MAX_HEX_DIGITS = 16  # fits uint64

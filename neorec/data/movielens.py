@@ -40,12 +40,12 @@ import numpy as np
 import torch
 
 from neorec.data.batch import Batch
-from neorec.data.config import MovieLensConfig
+from neorec.data.config import MOVIELENS_FEATURES, MovieLensConfig
 from neorec.data.source import EpochOrder, batch_ranges, check_batch_args, one_table_per_feature
 from neorec.embedding.config import TableConfig
 from neorec.sparse.jagged import KeyedJaggedTensor
 
-FEATURES = ["user", "item", "age", "gender", "occupation", "zip", "release_year", "genres"]
+FEATURES = MOVIELENS_FEATURES
 DENSE_NAMES = ["age", "release_year", "item_popularity", "user_activity"]
 AGE_BUCKETS = [(18, "<18"), (25, "18-24"), (35, "25-34"), (45, "35-44"), (50, "45-49"), (56, "50-55")]
 REQUIRED = {
@@ -201,7 +201,7 @@ class MovieLensSource:
         def numbers(kind: str, name: str, texts: List[str]) -> np.ndarray:
             return _numbers(paths[kind], name, texts, first_line)
 
-        self.feature_names = list(FEATURES)
+        self.feature_names = cfg.feature_names()
         self.dense_names = list(DENSE_NAMES)
         self.num_dense = len(DENSE_NAMES)
 

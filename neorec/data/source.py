@@ -14,7 +14,7 @@ from typing import Iterator, List, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from neorec.data.batch import Batch
-from neorec.data.config import DataConfig
+from neorec.data.config import DataConfig, table_name
 from neorec.embedding.config import TableConfig
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -73,7 +73,7 @@ def one_table_per_feature(
 ) -> List[TableConfig]:
     """Tables ``t_<feature>`` with ``num_embeddings[i]`` rows for feature ``i``."""
     return [
-        TableConfig(name=f"t_{feature}", num_embeddings=int(rows), embedding_dim=embedding_dim,
+        TableConfig(name=table_name(feature), num_embeddings=int(rows), embedding_dim=embedding_dim,
                     feature_names=[feature], pooling=pooling)
         for feature, rows in zip(feature_names, num_embeddings)
     ]

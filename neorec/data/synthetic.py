@@ -225,7 +225,7 @@ class SyntheticSource:
     def __init__(self, cfg: SyntheticConfig) -> None:
         self.cfg = cfg
         self.num_dense = cfg.num_dense
-        self.feature_names = [f"feature_{t}" for t in range(cfg.num_tables)]
+        self.feature_names = cfg.feature_names()
         self.table_sizes = cfg.table_sizes()
         self._permutations = [_affine_permutation(cfg.seed, t, n) for t, n in enumerate(self.table_sizes)]
         samplers = {n: ZipfSampler(n, cfg.zipf_alpha) for n in set(self.table_sizes)}

@@ -151,14 +151,17 @@ class LocationConfig:
     def any_off_device(self) -> bool:
         return self.default != "device" or any(kind != "device" for kind in self.tables.values())
 
-    def resolve(self, tables: Sequence[TableConfig], ssd_dir: Optional[str] = None) -> Dict[str, TableLocation]:
-        """{table name: TableLocation} for ``tables``; ``ssd_dir`` is used when ``self.ssd_dir``
-        is empty. Unknown names in ``tables`` are an error."""
-        names = [t.name for t in tables]
+    def check_table_names(self, names: Sequence[str]) -> None:
+        """Every table named in ``tables`` is one of ``names``."""
         unknown = sorted(set(self.tables) - set(names))
         if unknown:
             raise ValueError(f"embedding.location.tables names {unknown}, which are not tables of this model; "
-                             f"tables are {names}")
+                             f"tables are {list(names)}")
+
+    def resolve(self, tables: Sequence[TableConfig], ssd_dir: Optional[str] = None) -> Dict[str, TableLocation]:
+        """{table name: TableLocation} for ``tables``; ``ssd_dir`` is used when ``self.ssd_dir``
+        is empty. Unknown names in ``tables`` are an error."""
+        self.check_table_names([t.name for t in tables])
         directory = Path(self.ssd_dir or ssd_dir or "embedding_ssd")
         out: Dict[str, TableLocation] = {}
         for table in tables:

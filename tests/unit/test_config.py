@@ -180,6 +180,38 @@ def test_data_keys_that_disagree_are_config_errors_naming_the_set(tmp_path):
     assert load_config(p).data.synthetic.num_tables == 3  # without check_data: left to the data source
 
 
+def test_location_table_names_are_checked_at_load_time_against_the_sources_tables():
+    """embedding.location.tables naming a table the data source does not make was found only when
+    the model was built, in a message naming no --set."""
+    tiny = CONFIG_DIR / "tiny.toml"
+    with pytest.raises(ValueError, match=r"names \['t_feature_4'\], which are not tables of this model; tables are "
+                                         r"\['t_feature_0', .*'t_feature_3'\] \(from --set embedding.location.tables="):
+        load_config(tiny, ['embedding.location.tables={t_feature_4="cached_dram"}'], check_data=True)
+    ok = load_config(tiny, ["data.synthetic.num_tables=5", "data.synthetic.num_embeddings=9",
+                            'embedding.location.tables={t_feature_4="cached_dram"}'], check_data=True)
+    assert ok.embedding.location.tables == {"t_feature_4": "cached_dram"}
+    with pytest.raises(ValueError, match=r"names \['t_feature_0'\].*tables are \['t_user', 't_item', .*"
+                                         r"\(from the --set overrides together\)$"):
+        load_config(None, ['embedding.location.tables={t_feature_0="cached_dram"}', "data.source=movielens"],
+                    check_data=True)
+    cfg = load_config(None, ["data.source=criteo", "data.criteo.train_path='x.tsv'",
+                             'embedding.location.tables={t_cat_25="cached_dram"}'], check_data=True)
+    assert cfg.data.table_names() == [f"t_cat_{i}" for i in range(26)]
+
+
+def test_the_tables_a_config_names_are_those_its_source_makes(tmp_path):
+    """DataConfig.table_names (known before any data is read) against the built sources' tables."""
+    from neorec.data.criteo_tsv import write_criteo_tsv
+    from neorec.data.source import make_data_source
+
+    cfg = load_config(CONFIG_DIR / "tiny.toml", ["data.synthetic.num_tables=3", "data.synthetic.num_embeddings=7"])
+    assert cfg.data.table_names() == [t.name for t in make_data_source(cfg.data).tables(8)]
+    assert cfg.data.table_names() == ["t_feature_0", "t_feature_1", "t_feature_2"]
+    write_criteo_tsv(tmp_path / "day.tsv", 50)
+    criteo = load_config(None, ["data.source='criteo'", f"data.criteo.train_path='{tmp_path / 'day.tsv'}'"])
+    assert criteo.data.table_names() == [t.name for t in make_data_source(criteo.data).tables(8)]
+
+
 def test_config_docstring_names_every_section():
     sections = {key.rsplit(".", 1)[0] for key, _, _ in iter_config_keys() if "." in key}
     sections -= {"embedding.location.tables"}
