@@ -123,7 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     write.add_argument("path", help="output .tsv file")
     write.add_argument("--lines", type=int, default=100_000, help="number of lines (default 100000)")
-    write.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    write.add_argument("--seed", type=int, default=0,
+                       help="which dataset (default 0): the hidden model that labels it, its ids; a file of "
+                       "another seed is another dataset, no held-out set for this one")
+    write.add_argument("--held-out", action="store_true",
+                       help="write held-out lines of the seed's dataset, which no file written without "
+                       "--held-out holds: the file for `preprocess-criteo --eval-tsv` or "
+                       "data.criteo.eval_path (without it: the dataset's first LINES lines)")
     prep = data_sub.add_parser(
         "preprocess-criteo", help="convert a Criteo TSV into neorec's memory-mapped binary form",
         description="Stream a raw Criteo TSV file into binary memory-mapped arrays (dense log(1+x), "
@@ -335,8 +341,8 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from neorec.data import criteo
 
     if args.data_command == "write-criteo":
-        criteo.write_criteo_tsv(args.path, num_lines=args.lines, seed=args.seed)
-        print(f"wrote {args.lines:,} lines to {args.path}")
+        criteo.write_criteo_tsv(args.path, num_lines=args.lines, seed=args.seed, held_out=args.held_out)
+        print(f"wrote {args.lines:,} {'held-out ' if args.held_out else ''}lines to {args.path}")
         return 0
     if args.data_command == "preprocess-criteo":
         processed = args.processed_dir or f"{args.tsv}.neorec"

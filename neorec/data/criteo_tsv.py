@@ -20,7 +20,7 @@ import numpy as np
 
 from neorec.data.config import CRITEO_CATEGORICAL, SyntheticConfig
 from neorec.data.source import GOLDEN64, splitmix64, splitmix64_int
-from neorec.data.synthetic import SPLIT_TRAIN, SampleBlock, SyntheticSource
+from neorec.data.synthetic import SPLIT_EVAL, SPLIT_TRAIN, SampleBlock, SyntheticSource
 
 NUM_INTEGER = 13
 NUM_CATEGORICAL = CRITEO_CATEGORICAL
@@ -242,8 +242,14 @@ def write_criteo_tsv(
     num_embeddings: int = 100_000,
     zipf_alpha: float = 1.05,
     missing_rate: float = 0.1,
+    held_out: bool = False,
 ) -> int:
     """Write ``num_lines`` lines of learnable synthetic click data in the raw Criteo layout.
+
+    ``seed`` chooses the dataset (the hidden teacher that labels it, the ids' permutations, the
+    columns' missing rates): a file of another seed is another dataset. ``held_out`` writes lines
+    of the same dataset that no file written without it holds (its eval split), for
+    ``--eval-tsv``; without it the file is the dataset's first ``num_lines`` training lines.
 
     The synthetic generator (26 one-id tables of ``num_embeddings`` rows, 13 dense features) is
     turned into Criteo-like values: dense x -> the count floor(exp(1.2 x + 1.5)) - 1 (column I2 may
@@ -261,6 +267,9 @@ def write_criteo_tsv(
     rng = np.random.default_rng([seed, 0xC817E0])
     rates = missing_rate * rng.uniform(0.0, 2.0, NUM_COLUMNS - 1)
     rates[[0, 1, NUM_INTEGER]] = 0.0  # a few columns are never missing, as in the real data
+    split = SPLIT_EVAL if held_out else SPLIT_TRAIN
+    if held_out:  # the same rates, its own missing values
+        rng = np.random.default_rng([seed, 0xC817E0, SPLIT_EVAL])
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give the .tsv file to write")
@@ -277,7 +286,7 @@ def write_criteo_tsv(
             error.errno = exc.errno
             raise error from None
         with f:
-            blocks = source.blocks(SPLIT_TRAIN, 0, num_lines, 4096) if num_lines else []
+            blocks = source.blocks(split, 0, num_lines, 4096) if num_lines else []
             for block in blocks:
                 f.write("".join(_criteo_lines(block, rates, rng)))
             f.flush()

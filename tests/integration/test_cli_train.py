@@ -141,11 +141,15 @@ def test_criteo_tools_and_training(tmp_path, capsys, monkeypatch, processed_dir)
     from neorec.data import criteo
 
     tsv = tmp_path / "day 0.tsv"  # a space: the printed command must quote it
-    assert main(["data", "write-criteo", str(tsv), "--lines", "3000"]) == 0
+    held_out = tmp_path / "eval.tsv"
+    assert main(["data", "write-criteo", str(tsv), "--lines", "20000"]) == 0
+    assert main(["data", "write-criteo", str(held_out), "--lines", "2000", "--held-out"]) == 0
+    assert not set(held_out.read_text().splitlines()) & set(tsv.read_text().splitlines())
     out_dir = [] if processed_dir is None else [str(tmp_path / processed_dir)]
-    assert main(["data", "preprocess-criteo", str(tsv), *out_dir, "--eval-tsv", str(tsv),
+    assert main(["data", "preprocess-criteo", str(tsv), *out_dir, "--eval-tsv", str(held_out),
                  "--num-embeddings", "1000"]) == 0
     printed = capsys.readouterr().out
+    assert "wrote 2,000 held-out lines to " in printed
     command = printed.splitlines()[-1]
     assert command.startswith("train on it with: neorec train ")
     args = shlex.split(command.split("neorec ", 1)[1])
@@ -156,9 +160,12 @@ def test_criteo_tools_and_training(tmp_path, capsys, monkeypatch, processed_dir)
 
     monkeypatch.setattr(criteo, "preprocess_criteo", no_second_pass)
     rc = main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), *args[3:], "--no-progress",
-               "--output-dir", str(tmp_path / "run"), "--set", "train.max_steps=20"])
+               "--output-dir", str(tmp_path / "run")])
     assert rc == 0, capsys.readouterr().err
-    assert read_log(tmp_path / "run" / "metrics.jsonl")[-1]["kind"] == "final"
+    final = read_log(tmp_path / "run" / "metrics.jsonl")[-1]
+    # the held-out lines are of the training file's dataset (the same hidden labelling model): a
+    # file of another --seed gave chance AUC (0.485 after such a training), these ~0.6
+    assert (final["kind"], final["step"]) == ("final", 20) and final["auc"] > 0.56, final
 
 
 @pytest.mark.skipif(not ML100K.is_dir(), reason="MovieLens-100k not present beside the repo")

@@ -209,7 +209,7 @@ def test_source_batches(tsv, tmp_path):
 
 def test_source_shuffle_and_eval_file(tsv, tmp_path):
     eval_path = tmp_path / "eval.tsv"
-    write_criteo_tsv(eval_path, 500, seed=9)
+    write_criteo_tsv(eval_path, 500, seed=3, held_out=True)
     cfg = CriteoConfig(train_path=str(tsv), eval_path=str(eval_path), processed_dir=str(tmp_path / "p"),
                        num_embeddings=ROWS, shuffle=True, seed=5)
     source = CriteoSource(cfg)
