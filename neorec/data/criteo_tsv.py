@@ -140,8 +140,10 @@ def _parse_careful(a: np.ndarray, first_line: int, num_embeddings: int) -> Parse
     num_tabs = tabs_before[newline] - tabs_before[line_start]
     del tabs_before
     bad_shape = num_tabs != NUM_COLUMNS - 1
-    errors = [(first_line + int(i), f"expected {NUM_COLUMNS} tab-separated columns (label, "
-               f"{NUM_INTEGER} integer, {NUM_CATEGORICAL} categorical), found {int(num_tabs[i]) + 1}")
+    empty = newline - line_start == has_cr  # a blank line is an error too: a Criteo log has none
+    errors = [(first_line + int(i), ("the line is empty; " if empty[i] else "") + f"expected {NUM_COLUMNS} "
+               f"tab-separated columns (label, {NUM_INTEGER} integer, {NUM_CATEGORICAL} categorical), "
+               f"found {int(num_tabs[i]) + 1}")
               for i in np.flatnonzero(bad_shape)]
     kept_lines = np.flatnonzero(~bad_shape)
     if bad_shape.any() or has_cr.any():

@@ -60,7 +60,8 @@ _EXPECTED = (
     "tab-separated, with typed headers such as 'user_id:token'"
 )
 GROUPLENS = {"inter": "u.data", "user": "u.user", "item": "u.item", "genre": "u.genre"}
-Columns = Dict[str, List[str]]
+Columns = Dict[str, list]  # column name -> its values (text), LINE -> each row's line number
+LINE = "#line"
 
 
 def _find_file(directory: Path, kind: str) -> Path:
@@ -74,9 +75,10 @@ def _find_file(directory: Path, kind: str) -> Path:
     return found[0]
 
 
-def read_table(path: Path, required: Sequence[str]) -> Dict[str, List[str]]:
-    """Columns (by header name without its ``:type``) of a typed-header TSV file."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+def read_table(path: Path, required: Sequence[str]) -> Columns:
+    """Columns (by header name without its ``:type``) of a typed-header TSV file; blank lines are
+    skipped (``LINE`` holds the line numbers of the rows kept)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a byte-order mark is not the header's
         lines = f.read().splitlines()
     if not lines:
         raise ValueError(f"{path}: empty file; expected a header line such as 'user_id:token\\t...'")
@@ -84,18 +86,19 @@ def read_table(path: Path, required: Sequence[str]) -> Dict[str, List[str]]:
     missing = [c for c in required if c not in names]
     if missing:
         raise ValueError(f"{path}: header lacks columns {missing}; found {names}; expected {_EXPECTED}")
-    rows = [line.split("\t") for line in lines[1:] if line]
-    for i, row in enumerate(rows):
+    numbers = [number for number, line in enumerate(lines[1:], 2) if line]
+    rows = [lines[number - 1].split("\t") for number in numbers]
+    for number, row in zip(numbers, rows):
         if len(row) != len(names):
-            line_number = 2 + i + sum(1 for line in lines[1 : 2 + i] if not line)
-            raise ValueError(f"{path}:{line_number}: expected {len(names)} tab-separated fields "
+            raise ValueError(f"{path}:{number}: expected {len(names)} tab-separated fields "
                              f"({names}), found {len(row)}")
     columns = list(zip(*rows)) if rows else [()] * len(names)
-    return {name: list(columns[k]) for k, name in enumerate(names)}
+    return {**{name: list(columns[k]) for k, name in enumerate(names)}, LINE: numbers}
 
 
-def _grouplens_rows(path: Path, separator: str, width: int) -> List[List[str]]:
-    """The fields of every non-empty line of a headerless GroupLens file (Latin-1)."""
+def _grouplens_rows(path: Path, separator: str, width: int) -> List[list]:
+    """The fields of every non-empty line of a headerless GroupLens file (Latin-1), its line
+    number appended."""
     if not path.is_file():
         raise FileNotFoundError(f"MovieLens directory {path.parent} has u.data but no {path.name}; expected {_EXPECTED}")
     rows = []
@@ -108,7 +111,7 @@ def _grouplens_rows(path: Path, separator: str, width: int) -> List[List[str]]:
             if len(fields) != width:
                 raise ValueError(f"{path}:{number}: expected {width} {separator or 'whitespace'}-separated "
                                  f"fields, found {len(fields)}")
-            rows.append(fields)
+            rows.append(fields + [number])
     return rows
 
 
@@ -116,34 +119,35 @@ def read_grouplens(directory: Path) -> Dict[str, Columns]:
     """GroupLens' ml-100k files as the columns of the RecBole layout (``REQUIRED``'s names): genres
     become the space-separated names of the flagged genres, the release date its year."""
     genre_rows = _grouplens_rows(directory / GROUPLENS["genre"], "|", 2)
-    genres = [name for name, _ in sorted(genre_rows, key=lambda row: int(row[1]))]
+    genres = [row[0] for row in sorted(genre_rows, key=lambda row: int(row[1]))]
     inter_rows = _grouplens_rows(directory / GROUPLENS["inter"], "", 4)
     user_rows = _grouplens_rows(directory / GROUPLENS["user"], "|", 5)
     item_path = directory / GROUPLENS["item"]
     item_rows = _grouplens_rows(item_path, "|", 5 + len(genres))
     for row in item_rows:
-        if any(flag not in ("0", "1") for flag in row[5:]):
-            raise ValueError(f"{item_path}: item {row[0]}: genre flags must be 0 or 1, found {row[5:]}")
+        if any(flag not in ("0", "1") for flag in row[5:-1]):
+            raise ValueError(f"{item_path}:{row[-1]}: item {row[0]}: genre flags must be 0 or 1, found {row[5:-1]}")
 
-    def columns(rows: List[List[str]], names: Sequence[str]) -> Columns:
-        return {name: [row[k] for row in rows] for k, name in enumerate(names)}
+    def columns(rows: List[list], names: Sequence[str]) -> Columns:
+        return {**{name: [row[k] for row in rows] for k, name in enumerate(names)}, LINE: [row[-1] for row in rows]}
 
     items = columns(item_rows, ["item_id", "title", "release_date"])
     items["release_year"] = [date.strip()[-4:] if date.strip() else "unknown" for date in items.pop("release_date")]
-    items["class"] = [" ".join(g for g, flag in zip(genres, row[5:]) if flag == "1") for row in item_rows]
+    items["class"] = [" ".join(g for g, flag in zip(genres, row[5:-1]) if flag == "1") for row in item_rows]
     return {"inter": columns(inter_rows, REQUIRED["inter"]), "user": columns(user_rows, REQUIRED["user"]),
             "item": items}
 
 
-def _numbers(path: Path, name: str, texts: List[str], first_line: int = 2) -> np.ndarray:
+def _numbers(path: Path, name: str, texts: List[str], lines: List[int]) -> np.ndarray:
+    """``texts`` as numbers; ``lines``: the line number of each, for the error."""
     try:
         return np.array(texts, dtype=np.float64)
     except ValueError:
-        for i, text in enumerate(texts):
+        for number, text in zip(lines, texts):
             try:
                 float(text)
             except ValueError:
-                raise ValueError(f"{path}:{i + first_line}: column {name!r} holds {text!r}, "
+                raise ValueError(f"{path}:{number}: column {name!r} holds {text!r}, "
                                  "expected a number") from None
         raise
 
@@ -191,15 +195,13 @@ class MovieLensSource:
         if (directory / GROUPLENS["inter"]).is_file():
             paths = {kind: directory / GROUPLENS[kind] for kind in REQUIRED}
             tables = read_grouplens(directory)
-            first_line = 1  # of the data: these files have no header
         else:
             paths = {kind: _find_file(directory, kind) for kind in REQUIRED}
             tables = {kind: read_table(paths[kind], REQUIRED[kind]) for kind in REQUIRED}
-            first_line = 2
         inter, users, items = tables["inter"], tables["user"], tables["item"]
 
         def numbers(kind: str, name: str, texts: List[str]) -> np.ndarray:
-            return _numbers(paths[kind], name, texts, first_line)
+            return _numbers(paths[kind], name, texts, tables[kind][LINE])
 
         self.feature_names = cfg.feature_names()
         self.dense_names = list(DENSE_NAMES)

@@ -123,7 +123,8 @@ GOOD = "\t".join(["1"] + ["5"] * 13 + ["0a0b0c0d"] * 26)
          "categorical column C1 .* holds '0+', expected a hexadecimal string of at most 16 digits"),
         ("2" + GOOD[1:], r"label \(column 1\) holds '2', expected 0 or 1"),
         (GOOD[1:], "label .* holds '', expected 0 or 1"),
-        ("", "expected 40 tab-separated columns .* found 1"),
+        ("", "the line is empty; expected 40 tab-separated columns .* found 1"),
+        ("\r", "the line is empty; expected 40 tab-separated columns .* found 1"),
     ],
 )
 def test_malformed_line_raises_with_line_number(tmp_path, bad_line, reason):

@@ -92,6 +92,34 @@ def test_grouplens_errors_name_file_and_line(tmp_path):
         MovieLensSource(MovieLensConfig(path=str(directory)))
 
 
+@pytest.mark.parametrize("layout", ["grouplens", "recbole"])
+def test_error_line_numbers_count_the_blank_lines_skipped(tmp_path, layout):
+    """Blank lines are skipped, but the line an error names is the file's own (it was the row's
+    index among the non-blank rows, or counted blanks only part of the way)."""
+    directory = (write_grouplens if layout == "grouplens" else write_recbole)(tmp_path / "ml-tiny")
+    path = directory / ("u.data" if layout == "grouplens" else "ml-tiny.inter")
+    lines = path.read_text().splitlines()
+    head = 1 if layout == "recbole" else 0  # the header line
+    good = lines[head:head + 2]
+    for bad, what in [("1\t2\t3", "expected 4 .*fields"), ("1\t2\tfive\t881250949", "column 'rating' holds 'five'")]:
+        path.write_text("\n".join(lines[:head] + good + ["", ""] + [bad] + lines[head + 2:]) + "\n")
+        number = head + len(good) + 3  # two blank lines, then the bad one
+        with pytest.raises(ValueError, match=rf"{path.name}:{number}: {what}"):
+            MovieLensSource(MovieLensConfig(path=str(directory)))
+    path.write_text("\n".join(lines[:head] + good + ["", ""] + lines[head + 2:]) + "\n")
+    assert MovieLensSource(MovieLensConfig(path=str(directory))).num_train_samples() > 0  # blanks alone are fine
+
+
+def test_a_byte_order_mark_before_the_header_is_not_part_of_it(tmp_path):
+    """Files saved by Windows tools start with a UTF-8 BOM; the first column was '\\ufeffuser_id'."""
+    plain = MovieLensSource(MovieLensConfig(path=str(write_recbole(tmp_path / "ml-tiny"))))
+    directory = write_recbole(tmp_path / "ml-bom")
+    for path in directory.iterdir():
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    marked = MovieLensSource(MovieLensConfig(path=str(directory)))
+    assert marked.vocabularies == plain.vocabularies and marked.num_train_samples() == plain.num_train_samples()
+
+
 def test_missing_directory_or_file_is_explained(tmp_path):
     with pytest.raises(FileNotFoundError, match="MovieLens directory not found: .*nowhere.*expected .*u.data"):
         MovieLensSource(MovieLensConfig(path=str(tmp_path / "nowhere")))
