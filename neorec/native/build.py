@@ -4,9 +4,12 @@
 The C sources ship with the package and are compiled on first use with the system C compiler
 (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
 library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
-hash of the sources, the flags, the compiler's version and this CPU's model and flags (a per-user
-folder under the temp directory when that one cannot be written); later
-processes load the cached library (the first build takes about a second) with ctypes.
+hash of the sources, the flags, the compiler's version and this CPU's model and flags; later
+processes load the cached library with ctypes (the first build takes several seconds: ~10 s on
+this project's 2-core machine). When that folder cannot be written, the build goes to a per-user
+folder under the temp directory, used only while it is this user's alone (owned by them, writable
+by no one else, not a link), else to a fresh private temporary folder: a library someone else
+could have put there is never loaded.
 
 Threads: the kernels parallelise with OpenMP. The library is loaded after torch, whose libgomp
 (soname ``libgomp.so.1``) the dynamic linker then reuses, so the kernels run on torch's own thread
@@ -26,7 +29,9 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -89,7 +94,8 @@ def cache_dir() -> Path:
 
 
 def _writable_cache() -> Path:
-    """``cache_dir()``, or a per-user folder under the temp directory when that cannot be created."""
+    """``cache_dir()``, or when that cannot be created a per-user folder under the shared temp
+    directory, if it is this user's alone (``_private``), else a fresh private temporary folder."""
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -98,8 +104,21 @@ def _writable_cache() -> Path:
     except OSError:
         pass
     folder = Path(tempfile.gettempdir()) / f"neorec-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        if _private(folder):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="neorec-kernels-"))  # mode 0700, a name no one could foresee
+
+
+def _private(folder: Path) -> bool:
+    """A real folder (not a link) owned by this user that no one else may write to: nothing in it
+    can have been put there by another user of the machine."""
+    info = os.lstat(folder)
+    owner = info.st_uid == os.getuid() if hasattr(os, "getuid") else True
+    return stat.S_ISDIR(info.st_mode) and owner and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _build(compiler: str) -> Path:
@@ -118,13 +137,15 @@ def _build(compiler: str) -> Path:
         target = folder / name
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True, timeout=300)
+            command = [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: concurrent builders (ranks) each rename a complete file
                 return target
-        errors.append(result.stderr.strip())
-    raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed:\n{errors[0]}")
+        said = (result.stderr.strip() + "\n" + result.stdout.strip()).strip()
+        errors.append(f"exit code {result.returncode}" + (f":\n{said}" if said else
+                      f", without a message; the command was: {shlex.join(command)}"))
+    raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed, {errors[0]}")
 
 
 def load() -> ctypes.CDLL:

@@ -127,6 +127,48 @@ def test_build_goes_to_the_cache_folder_and_is_reused(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
+def test_the_temp_fallback_folder_is_used_only_while_it_is_this_users_alone(monkeypatch, tmp_path):
+    """When the cache folder cannot be made, the build went to /tmp/neorec-kernels-<uid> whatever
+    that was, and loaded any library of the expected name found there: another user could plant one.
+    Now a folder others may write to (or a link) is passed over for a fresh private one."""
+    import os
+    import stat
+    import tempfile
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(blocker / "kernels"))  # cannot be created
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"neorec-kernels-{os.getuid()}"
+    assert native_build._writable_cache() == shared and stat.S_IMODE(shared.stat().st_mode) == 0o700
+    shared.chmod(0o777)  # as if made by someone else for everyone
+    fresh = native_build._writable_cache()
+    assert fresh != shared and fresh.parent == tmp_path and stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    shared.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    shared.symlink_to(elsewhere)
+    assert native_build._writable_cache() not in (shared, elsewhere)
+    shared.unlink()
+    shared.mkdir(mode=0o700)
+    assert native_build._writable_cache() == shared
+
+
+def test_a_compiler_failing_without_a_message_is_reported_with_its_exit_code_and_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
+    real_run = native_build.subprocess.run
+
+    def silent_failure(command, **kwargs):
+        if "-o" in command:
+            return real_run(["sh", "-c", "exit 3"], **kwargs)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(native_build.subprocess, "run", silent_failure)
+    with pytest.raises(native_build.NativeUnavailable,
+                       match=r"failed, exit code 3, without a message; the command was: .* -O3 .*tbe\.c .*-o "):
+        native_build._build(native_build.find_compiler())
+
+
 def test_native_rejects_bad_ids_before_any_update():
     tables = make_tables("sum")
     module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="native")
