@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
-from neorec.embedding.kernels import triton_available, triton_interpreting
+from neorec.embedding.kernels import triton_interpreting, triton_unavailable_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from neorec.embedding.cache import SetAssociativeCache
@@ -34,8 +34,9 @@ def check_cache_kernel(kernel: str, name: str) -> str:
 
 def cache_kernel_unsupported_reason(device: torch.device) -> Optional[str]:
     """Why the Triton cache kernels cannot run on ``device`` (None when they can)."""
-    if not triton_available():
-        return "triton is not installed (pip install 'neorec[gpu]') or there is no CUDA device"
+    unavailable = triton_unavailable_reason()
+    if unavailable is not None:
+        return unavailable
     if device.type != "cuda" and not triton_interpreting():
         return "the cache's tensors are on the CPU (set TRITON_INTERPRET=1 to run the kernels there)"
     return None

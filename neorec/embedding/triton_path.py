@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from neorec.embedding.kernels import TableBatchedLayout, triton_available, triton_interpreting
+from neorec.embedding.kernels import TableBatchedLayout, triton_interpreting, triton_unavailable_reason
 from neorec.embedding.path_common import PathLookup, features_in_order
 from neorec.sparse.jagged import KeyedJaggedTensor
 
@@ -27,8 +27,9 @@ TRITON_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 
 def triton_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[str]:
     """Why the Triton path cannot serve ``module`` (None when it can)."""
-    if not triton_available():
-        return "triton is not installed (pip install 'neorec[gpu]') or there is no CUDA device"
+    unavailable = triton_unavailable_reason()
+    if unavailable is not None:
+        return unavailable
     if not module.weights.is_cuda and not triton_interpreting():
         return "the weights are on the CPU (set TRITON_INTERPRET=1 to run the kernels there)"
     if module.optimizer.kind not in TRITON_OPTIMIZERS:

@@ -17,7 +17,8 @@ import os
 
 from neorec.embedding.kernels.layout import OPTIMIZER_KINDS, TableBatchedLayout
 
-__all__ = ["OPTIMIZER_KINDS", "TableBatchedLayout", "triton_available", "triton_interpreting"]
+__all__ = ["OPTIMIZER_KINDS", "TableBatchedLayout", "triton_available", "triton_interpreting",
+           "triton_unavailable_reason"]
 
 
 def triton_interpreting() -> bool:
@@ -25,13 +26,20 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernels can run here: triton is installed and either a CUDA device is
-    present or ``TRITON_INTERPRET=1`` (CPU tensors). Does not import triton."""
+def triton_unavailable_reason() -> str | None:
+    """Why the Triton kernels cannot run here (None when they can: triton is installed and either
+    a CUDA device is present or ``TRITON_INTERPRET=1``, for CPU tensors). Does not import triton."""
     if importlib.util.find_spec("triton") is None:
-        return False
+        return "triton is not installed (pip install 'neorec[gpu]')"
     if triton_interpreting():
-        return True
+        return None
     import torch
 
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return "there is no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors, slowly)"
+    return None
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here (``triton_unavailable_reason`` says why not)."""
+    return triton_unavailable_reason() is None

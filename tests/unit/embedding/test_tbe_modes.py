@@ -240,3 +240,27 @@ def test_weights_that_require_grad_are_rejected_and_half_forward_is_fp32():
     expected = (weights.unsqueeze(1) * rows).sum(0, keepdim=True) / 3  # fp32 math on the stored rows
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_asking_for_triton_where_it_cannot_run_says_which_part_is_missing(monkeypatch):
+    """The message named both causes at once ("not installed ... or no CUDA device") and never the
+    way to run the kernels on a CPU, though triton was installed."""
+    import importlib.util
+
+    from neorec.embedding.cache_kernels import choose_cache_kernel
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else
+                        real_find_spec(name, *a))
+    module = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig("sgd"), kernel="triton")
+    with pytest.raises(ValueError, match=r"^kernel='triton' was asked for but there is no CUDA device "
+                                         r"\(TRITON_INTERPRET=1 runs the kernels on CPU tensors, slowly\)$"):
+        module.kernel_path()
+    with pytest.raises(ValueError, match=r"cache 't': kernel='triton' was asked for but there is no CUDA device"):
+        choose_cache_kernel("triton", torch.device("cpu"), "t")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else
+                        real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"but triton is not installed \(pip install 'neorec\[gpu\]'\)$"):
+        module.kernel_path()
