@@ -134,6 +134,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._replicas = ReplicaGradients(self.layout, list(dense_gradient_tables), gradient_reducer) \
             if dense_gradient_tables else None
         self._rounder = Rounder(storage_dtype(self.storage.precision), self.storage.stochastic_rounding, self.storage.seed)
+        # Replicated (data-parallel) rows get the same all-reduced gradients on every rank; their
+        # rounding draws come from a generator of their own, seeded alike on every rank, so their
+        # bits stay equal (the shards' generator advances by each rank's own rows).
+        self._replica_rounder = None if self._replicas is None else Rounder(
+            self._rounder.dtype, self.storage.stochastic_rounding, replica_rounding_seed(self.storage.seed))
+        if self._replica_rounder is not None and self._replica_rounder.stochastic and self.storage.seed is None:
+            raise ValueError("data-parallel tables (dense_gradient_tables) with stochastic rounding need a fixed "
+                             "storage seed: every replica must draw the same rounding noise")
 
         weights = empty_huge(self.layout.num_elements, storage_dtype(self.storage.precision))  # host: init
         self._initialize(weights, init_seed)
@@ -146,6 +154,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self._rounder.stochastic:
             self._rounder.generator(self.weights.device)  # full-size state from the start
             self.register_buffer("rounding_rng_state", self._rounder.get_state())
+            if self._replica_rounder is not None:
+                self._replica_rounder.generator(self.weights.device)
+                self.register_buffer("replica_rounding_rng_state", self._replica_rounder.get_state())
             self.register_state_dict_pre_hook(_save_rounding_state)
             self.register_load_state_dict_post_hook(_load_rounding_state)
         self.kernel = check_kernel(kernel)
@@ -371,7 +382,7 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _update_replica_rows(self, step: int) -> Callable[[DimGroup, torch.Tensor, torch.Tensor], None]:
         def update(group: DimGroup, rows: torch.Tensor, grad: torch.Tensor) -> None:
             update_rows(self.optimizer, self.group_weights(group), self._group_states(group), rows, grad, step,
-                        self._rounder)
+                        self._replica_rounder)
             self._mark_modified(group, rows)
         return update
 
@@ -419,9 +430,19 @@ class TableBatchedEmbeddingBags(nn.Module):
         return f"tables={len(self.tables)}, dims={{{dims}}}, optimizer={self.optimizer.kind}, precision={self.storage.precision}"
 
 
+def replica_rounding_seed(seed: Optional[int]) -> Optional[int]:
+    """The seed of the replicated rows' rounding generator: derived from the storage seed, the same
+    on every rank, another stream than the shards'."""
+    return None if seed is None else (int(seed) * 0x9E3779B1 + 0x5EB1CA) % 2**63
+
+
 def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_vars: bool) -> None:
     module.rounding_rng_state = module._rounder.get_state().to(module.weights.device)
+    if module._replica_rounder is not None:
+        module.replica_rounding_rng_state = module._replica_rounder.get_state().to(module.weights.device)
 
 
 def _load_rounding_state(module: TableBatchedEmbeddingBags, incompatible_keys) -> None:
     module._rounder.set_state(module.rounding_rng_state)
+    if module._replica_rounder is not None:
+        module._replica_rounder.set_state(module.replica_rounding_rng_state)

@@ -242,6 +242,8 @@ class Checkpointer:
         tensors, entries = save_pieces(self.tbe, self.pieces, kind == "incremental", self.cfg.row_bits, "p")
         if self.tbe is not None and self.tbe._rounder.stochastic:
             tensors["rng.rounding"] = self.tbe._rounder.get_state().cpu()
+            if self.tbe._replica_rounder is not None:  # the same on every rank
+                tensors["rng.replica_rounding"] = self.tbe._replica_rounder.get_state().cpu()
         file = f"rank{self.rank}.pt"
         size = save_tensors(path / file, tensors)
         meta = {"file": file, "bytes": size, "sha256": sha256_file(path / file), "entries": entries,
@@ -369,6 +371,8 @@ class Checkpointer:
                 saved = load_tensors(path / f"rank{self.rank}.pt") if same_layout else {}
                 if "rng.rounding" in saved:
                     self.tbe._rounder.set_state(saved["rng.rounding"])
+                    if self.tbe._replica_rounder is not None and "rng.replica_rounding" in saved:
+                        self.tbe._replica_rounder.set_state(saved["rng.replica_rounding"])
                 else:
                     self._say("stochastic-rounding generators restart from their seed (another world size or "
                               "plan, or a checkpoint saved without stochastic rounding)")

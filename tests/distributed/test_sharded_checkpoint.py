@@ -60,3 +60,23 @@ def test_save_on_2_ranks_restore_on_1_and_4_with_another_plan(tmp_path):
     for result in four:
         assert int(result["step"]) == 5
         assert_same(result, saved)
+
+
+def test_fp16_replicas_stay_equal_on_every_rank_and_resume_bit_for_bit(tmp_path):
+    """fp16 rows with stochastic rounding and row-wise AdaGrad state: the data-parallel table's
+    copies drew their rounding noise from each rank's shard generator, so they drifted apart and a
+    checkpoint (which keeps rank 0's copy) could not continue like the uninterrupted run."""
+    plan = ShardingPlan({TABLES[0].name: table_wise(TABLES[0], 0), TABLES[1].name: row_wise(TABLES[1], [0, 1]),
+                         TABLES[2].name: data_parallel()}, 2).to_json()
+    common = ["checkpoint.every_steps=3", "train.max_steps=6", 'embedding.storage.precision="fp16"',
+              'embedding.optimizer.kind="rowwise_adagrad"']
+    straight = run_ranks(checkpoint_workers.train_or_resume, 2, tmp_path / "straight",
+                         args=(str(tmp_path / "a"), plan, common + [f"checkpoint.dir='{tmp_path / 'ckpt'}'"], None))
+    replica = TABLES[2].name
+    assert torch.equal(straight[0][replica], straight[1][replica])
+    resumed = run_ranks(checkpoint_workers.train_or_resume, 2, tmp_path / "resumed",
+                        args=(str(tmp_path / "b"), plan, common + [f"checkpoint.dir='{tmp_path / 'ckpt2'}'"],
+                              str(tmp_path / "ckpt" / "step-000000003")))
+    for before, after in zip(straight, resumed):
+        assert int(after["step"]) == 6
+        assert_same(after, before)

@@ -99,3 +99,43 @@ def test_looked_up_rows_with_a_zero_gradient_step_like_the_fused_update(kind, ex
         want = fused.get_table_weight(table.name)
         torch.testing.assert_close(replicated.get_table_weight(table.name), want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(dense.get_table_weight(table.name), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_replicas_stay_equal_across_ranks_with_stochastic_rounding(precision):
+    """Two "ranks": different batches (so their own shards round different numbers of rows), the
+    same all-reduced replica gradient. The replicas drew their rounding noise from the shards'
+    generator, so the copies of one table drifted apart rank by rank (fp16 ~1e-3 after 6 steps)."""
+    from neorec.embedding import StorageConfig
+
+    tables = make_tables("mixed")
+    rows = 29 * 16 + 29  # t16's gradient, then its look-up counts
+    global_grads = [torch.randn(rows, generator=torch.Generator().manual_seed(step)) for step in range(6)]
+    for grad in global_grads:
+        grad[29 * 16:] = 1.0  # every row looked up somewhere
+
+    def rank(seed):
+        calls = iter(global_grads)
+        module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad", learning_rate=0.5),
+                                           StorageConfig(precision, seed=7), dense_gradient_tables=["t16"],
+                                           gradient_reducer=lambda grad: grad.copy_(next(calls)))
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(6):
+            kjt = make_batch(tables, 8, generator, weighted=False)
+            module(kjt).values.backward(torch.randn(8, sum(module.feature_dims), generator=generator))
+        return module
+
+    first, second = rank(1), rank(2)
+    assert not torch.equal(first.get_table_weight("t4"), second.get_table_weight("t4"))  # own shards differ
+    assert torch.equal(first.get_table_weight("t16"), second.get_table_weight("t16"))
+    state = first.state_dict()
+    assert torch.equal(state["replica_rounding_rng_state"], second.state_dict()["replica_rounding_rng_state"])
+    assert not torch.equal(state["rounding_rng_state"], state["replica_rounding_rng_state"])
+
+
+def test_replicas_with_stochastic_rounding_need_a_fixed_seed():
+    from neorec.embedding import StorageConfig
+
+    with pytest.raises(ValueError, match="need a fixed storage seed"):
+        TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig("sgd"), StorageConfig("fp16", seed=None),
+                                  dense_gradient_tables=["t4"])
