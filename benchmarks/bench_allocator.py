@@ -30,15 +30,13 @@ config = bench_e2e.CONFIGS[name]
 cfg = bench_e2e.neorec_config(config, 1, reuse_freed_memory=reuse)
 source = make_data_source(cfg.data)
 batches = bench_e2e.make_batches(source, config, 1, 0, 8)
-runner = bench_e2e.NeorecRunner(cfg, source, 0, 1, None)
+runner = bench_e2e.NeorecRunner(cfg, source, 0, 1, None, batches)  # train_step over the 8 batches, cycled
 torch.set_num_threads(threads)
-for i in range(6):
-    runner.step(batches[i % 8])
+runner.run(6)  # warm-up
 wall, faults, system = [], [], []
 for _ in range(runs):
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    for i in range(steps):
-        runner.step(batches[i % 8])
+    runner.run(steps)
     seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
     wall.append(seconds / steps * 1e3)
     faults.append((after.ru_minflt - before.ru_minflt) / steps)
@@ -64,7 +62,12 @@ def main(argv=None) -> int:
     for _ in range(args.pairs):
         for label, flag in (("off", "0"), ("on", "1")):
             out = subprocess.run([sys.executable, "-c", WORKER, here, args.config, flag, str(args.threads),
-                                  str(args.runs), str(args.steps)], capture_output=True, text=True, check=True)
+                                  str(args.runs), str(args.steps)], capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.stderr.write(out.stderr)
+                print(f"bench_allocator: the reuse_freed_memory {label} process failed (exit {out.returncode}); "
+                      "its stderr is above", file=sys.stderr)
+                return 1
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[label].append(r)
             print(f"  reuse_freed_memory {label:3}: {r['ms']:6.1f} ms/step  {r['faults']:7.0f} faults/step  "

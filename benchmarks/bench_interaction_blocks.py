@@ -28,16 +28,32 @@ SHAPES = {"pool1": (26, 2048), "pool20": (16, 1024)}
 DIM = 64
 
 
+WARMUP = 5  # rounds dropped before the medians
+
+
+def rounds_arg(text: str) -> int:
+    try:
+        rounds = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if rounds <= WARMUP:
+        raise argparse.ArgumentTypeError(f"must be more than {WARMUP} (the first {WARMUP} rounds are warm-up, "
+                                         f"dropped): got {rounds}")
+    return rounds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=rounds_arg, default=40,
+                        help=f"rounds per shape; the first {WARMUP} are warm-up and dropped, so at least "
+                             f"{WARMUP + 1} (default 40)")
     args = parser.parse_args(argv)
     reason = native_available()
     if reason is not None:
         raise SystemExit(f"the native kernels are not available: {reason}")
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, rounds {args.rounds} (first 5 dropped), ms per forward + backward")
+    print(f"threads {args.threads}, rounds {args.rounds} (first {WARMUP} dropped), ms per forward + backward")
     for name, (features, rows) in SHAPES.items():
         order = [f for rank in range(2) for f in range(features) if f % 2 == rank]  # what rank 0, then 1 sent
         widths = (sum(1 for f in order if f % 2 == 0) * DIM, sum(1 for f in order if f % 2 == 1) * DIM)
@@ -62,7 +78,7 @@ def main(argv=None) -> int:
                 fn()
                 times[fn].append(time.perf_counter() - start)
                 flat.grad = dense.grad = None
-        a, b = (statistics.median(times[fn][5:]) * 1e3 for fn in (placed, in_place))
+        a, b = (statistics.median(times[fn][WARMUP:]) * 1e3 for fn in (placed, in_place))
         print(f"{name:7} placement + interaction {a:6.2f}   blocks read in place {b:6.2f}   saved {a - b:5.2f} ms "
               f"({(a - b) / a:.0%})")
     return 0

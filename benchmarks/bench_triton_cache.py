@@ -22,7 +22,8 @@ Run on a CUDA machine (repository root, venv active, ``pip install -e '.[gpu]'``
     python benchmarks/bench_triton_cache.py --out benchmarks/results/bench_triton_cache.json
 
 Without CUDA it says so and exits 0. ``--smoke`` runs every code path on CPU at tiny sizes in
-triton's interpreter (timings meaningless): ``python benchmarks/bench_triton_cache.py --smoke``
+triton's interpreter (timings meaningless): ``python benchmarks/bench_triton_cache.py --smoke``;
+it writes no JSON unless ``--out`` names a file (the default is the committed GPU results).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from bench_triton_tbe import copy_bandwidth, timing_device  # same folder (run as a script)
+from bench_triton_tbe import copy_bandwidth, output_path, timing_device  # same folder (run as a script)
 
 
 @dataclass
@@ -165,9 +166,12 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per contender and phase")
-    parser.add_argument("--out", default="benchmarks/results/bench_triton_cache.json")
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default: benchmarks/results/bench_triton_cache.json of this repository; "
+                             "with --smoke, nothing is written unless --out is given)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, triton interpreter: code paths only")
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "bench_triton_cache")
 
     device = timing_device("bench_triton_cache", args.smoke, "tests/gpu/test_triton_cache.py")
     if device is None:
@@ -193,6 +197,9 @@ def main(argv: List[str] | None = None) -> int:
             return 1
     if args.smoke:
         print("smoke run: code paths checked on CPU; timings are meaningless")
+    if args.out is None:
+        print("not written (a smoke run writes its JSON only where --out says)")
+        return 0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     temporary = args.out + ".tmp"
     with open(temporary, "w") as handle:

@@ -24,7 +24,8 @@ Run on a CUDA machine (repository root, venv active, ``pip install -e '.[gpu]'``
     python benchmarks/bench_triton_tbe.py --configs pool20 --repeats 7
 
 Without CUDA it says so and exits 0. ``--smoke`` runs every code path on CPU at tiny sizes in
-triton's interpreter (timings meaningless): ``python benchmarks/bench_triton_tbe.py --smoke``
+triton's interpreter (timings meaningless): ``python benchmarks/bench_triton_tbe.py --smoke``;
+it writes no JSON unless ``--out`` names a file (the default is the committed GPU results).
 """
 
 from __future__ import annotations
@@ -236,6 +237,18 @@ def timing_device(script: str, smoke: bool, tests: str) -> torch.device | None:
     return device
 
 
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # from any working directory
+
+
+def output_path(out: str | None, smoke: bool, name: str) -> str | None:
+    """Where a GPU-kernel benchmark writes its JSON: ``--out`` when given; else, for a full run,
+    ``benchmarks/results/NAME.json`` of this repository; a ``--smoke`` run without ``--out``
+    writes nothing (its CPU interpreter timings must not replace the committed GPU results)."""
+    if out:
+        return out
+    return None if smoke else os.path.join(RESULTS_DIR, f"{name}.json")
+
+
 def check_forward(contenders, batch: Batch) -> float:
     """Max abs difference between the Triton fp32 forward and the concatenated torch forward."""
     triton_output = contenders["triton_fp32"]["forward"](batch)
@@ -248,9 +261,12 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--num-batches", type=int, default=4)
-    parser.add_argument("--out", default="benchmarks/results/bench_triton_tbe.json")
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default: benchmarks/results/bench_triton_tbe.json of this repository; "
+                             "with --smoke, nothing is written unless --out is given)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, triton interpreter: code paths only")
     args = parser.parse_args(argv)
+    args.out = output_path(args.out, args.smoke, "bench_triton_tbe")
 
     device = timing_device("bench_triton_tbe", args.smoke, "tests/gpu")
     if device is None:
@@ -296,6 +312,9 @@ def main(argv: List[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if args.smoke:
         print("smoke run: code paths checked on CPU; timings are meaningless")
+    if args.out is None:
+        print("not written (a smoke run writes its JSON only where --out says)")
+        return 0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=1)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import List, Tuple
+import os
+import re
+import sys
+from typing import List, Optional, Tuple
 
 DEFAULT_MATCH = ("gloo:", "c10d::", "DistributedDataParallel.forward", "PathLookup", "_DifferentiableAllToAll",
                  "Optimizer.step", "_PlaceParts", "_DotInteraction", "aten::linear",
@@ -32,19 +35,34 @@ def events(path: str, rank: int, match: Tuple[str, ...], min_us: float) -> List[
             for e in complete if e["dur"] >= min_us and any(m in e["name"] for m in match)]
 
 
+def ranks_of(prefix: str) -> Optional[int]:
+    """The rank count in a ``bench_e2e.py --trace`` prefix's ``_rW`` suffix (``/tmp/t_pool20_r1``: 1);
+    None without one."""
+    found = re.search(r"_r(\d+)$", prefix)
+    return int(found.group(1)) if found and int(found.group(1)) > 0 else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("prefix", help="PREFIX_CONFIG_rW of the trace files (without _rankN.json)")
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="trace files to merge (default: W of the prefix's _rW suffix, else 2)")
     parser.add_argument("--start", type=float, default=0.0, help="ms from the first event")
     parser.add_argument("--end", type=float, default=float("inf"), help="ms from the first event")
     parser.add_argument("--min-ms", type=float, default=0.1)
     parser.add_argument("--match", default=",".join(DEFAULT_MATCH), help="comma list of name substrings")
     args = parser.parse_args(argv)
     match = tuple(m for m in args.match.split(",") if m)
+    ranks = args.ranks or ranks_of(args.prefix) or 2
+    paths = [f"{args.prefix}_rank{rank}.json" for rank in range(ranks)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        print(f"trace_timeline: no trace file {missing[0]} (reading {ranks} ranks; give the prefix "
+              f"PREFIX_CONFIG_rW, or --ranks N for N files)", file=sys.stderr)
+        return 2
     rows = []
-    for rank in range(args.ranks):
-        rows += events(f"{args.prefix}_rank{rank}.json", rank, match, args.min_ms * 1e3)
+    for rank, path in enumerate(paths):
+        rows += events(path, rank, match, args.min_ms * 1e3)
     if not rows:
         raise SystemExit("no matching events")
     rows.sort()

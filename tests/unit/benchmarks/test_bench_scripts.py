@@ -1,0 +1,85 @@
+"""The benchmark scripts' own plumbing (argument checks, output paths, child errors), without
+running the benchmarks themselves (one worker step of ``bench_allocator`` aside, marked slow).
+
+    python -m pytest tests/unit/benchmarks -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks")
+BENCHMARKS = os.path.normpath(BENCHMARKS)
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)  # the scripts import each other by their bare names
+
+
+def test_triton_smoke_run_without_out_writes_nothing_and_full_run_writes_into_the_repository():
+    from bench_triton_tbe import output_path
+
+    assert output_path(None, True, "bench_triton_tbe") is None  # never over the GPU results
+    assert output_path("/tmp/x.json", True, "bench_triton_tbe") == "/tmp/x.json"
+    assert output_path("rel.json", False, "bench_triton_cache") == "rel.json"
+    default = output_path(None, False, "bench_triton_cache")
+    assert default == os.path.join(BENCHMARKS, "results", "bench_triton_cache.json")  # not the cwd's
+
+
+def test_interaction_blocks_refuses_rounds_that_leave_nothing_after_the_warm_up(capsys):
+    import bench_interaction_blocks
+
+    for rounds in ("5", "0", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_interaction_blocks.main(["--rounds", rounds])
+        assert exit_info.value.code == 2
+        assert "--rounds" in capsys.readouterr().err
+    assert bench_interaction_blocks.rounds_arg("6") == 6
+
+
+def _trace(path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"traceEvents": [{"ph": "X", "tid": 1, "ts": 10, "dur": 500, "name": "c10d::barrier"}]}, f)
+
+
+def test_trace_timeline_reads_the_rank_count_from_the_prefix(tmp_path, capsys):
+    import trace_timeline
+
+    assert trace_timeline.ranks_of("/tmp/t_pool20_r1") == 1
+    assert trace_timeline.ranks_of("/tmp/t_pool20_r2") == 2
+    assert trace_timeline.ranks_of("/tmp/t_pool20") is None
+    prefix = str(tmp_path / "t_pool20_r1")
+    _trace(prefix + "_rank0.json")
+    assert trace_timeline.main([prefix]) == 0
+    assert "c10d::barrier" in capsys.readouterr().out
+    # no _rW suffix: 2 ranks assumed; the missing file is named and --ranks suggested, no traceback
+    _trace(str(tmp_path / "other_rank0.json"))
+    assert trace_timeline.main([str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "other_rank1.json" in err and "--ranks" in err and len(err.strip().splitlines()) == 1
+    assert trace_timeline.main([str(tmp_path / "other"), "--ranks", "1"]) == 0
+
+
+def test_bench_allocator_shows_a_failed_childs_error(monkeypatch, capsys):
+    import bench_allocator
+
+    monkeypatch.setattr(bench_allocator, "WORKER", "raise TypeError('child went wrong')")
+    assert bench_allocator.main(["--pairs", "1", "--runs", "1", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "TypeError: child went wrong" in err and "failed" in err
+
+
+@pytest.mark.slow
+def test_bench_allocator_worker_runs_against_bench_e2e():
+    """One process of the benchmark at its smallest (about 10 s): it must keep up with bench_e2e's
+    ``NeorecRunner``."""
+    import bench_allocator
+
+    out = subprocess.run([sys.executable, "-c", bench_allocator.WORKER, BENCHMARKS, "pool1", "0", "1", "1", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ms"] > 0 and r["max_rss_mb"] > 0 and set(r) == {"ms", "faults", "system_ms", "max_rss_mb"}
