@@ -336,6 +336,10 @@ class Checkpointer:
             path, manifest = found
         trainer = self.trainer
         _check_compatible(manifest, trainer, path)
+        changed = _changed_optimizer_settings(manifest.get("config", {}), trainer.cfg.to_dict())
+        if changed:
+            self._say(f"resuming {path.name} with other optimizer settings than its run's, which apply from "
+                      f"here: {', '.join(changed)}")
         global_batch = trainer.cfg.data.batch_size * self.world_size
         epoch_samples = trainer.source.num_train_samples()
         samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
@@ -401,6 +405,18 @@ def _table_shapes(trainer) -> Dict[str, List[int]]:
     return {t.name: [t.num_embeddings, t.embedding_dim] for t in tables}
 
 
+def _changed_optimizer_settings(saved: dict, current: dict) -> List[str]:
+    """``key old -> new`` for each optimizer setting of the config that differs from the checkpoint's."""
+    changed = []
+    for section in ("embedding.optimizer", "dense_optimizer"):
+        old, new = saved, current
+        for part in section.split("."):
+            old, new = old.get(part, {}), new.get(part, {})
+        changed += [f"{section}.{key} {old[key]!r} -> {new[key]!r}" for key in sorted(new)
+                    if key in old and old[key] != new[key]]
+    return changed
+
+
 def _check_compatible(manifest: dict, trainer, path: Path) -> None:
     saved, current = manifest["tables"], _table_shapes(trainer)
     if saved != current:
@@ -454,5 +470,9 @@ def _load_dense_state(trainer, tensors: Dict[str, torch.Tensor], optimizer_json:
             state.setdefault(int(param), {})[name] = value
     for param, values in optimizer_json["scalars"].items():
         state.setdefault(int(param), {}).update(values)
-    trainer.dense_optimizer.load_state_dict({"state": state, "param_groups": optimizer_json["param_groups"]})
+    optimizer = trainer.dense_optimizer
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer_json["param_groups"]})
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)  # the config's learning rate, eps, weight decay: as for the sparse optimizer
     torch.set_rng_state(tensors["rng.torch"])

@@ -392,3 +392,18 @@ def test_quantize_rows_refuses_rows_whose_range_overflows():
     x = torch.tensor([[0.0, 1.0], [-3e38, 3e38]])
     with pytest.raises(ValueError, match="quantize_rows: row 1 .* spanning more than the fp32 range"):
         quantize_rows(x, 8)
+
+
+def test_a_resume_with_other_optimizer_settings_uses_them_and_says_so(tmp_path):
+    """The dense optimizer took the checkpoint's learning rate, eps and weight decay over the
+    config's (the sparse one follows the config), silently."""
+    make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()
+    changed = ["dense_optimizer.learning_rate=0.5", "dense_optimizer.weight_decay=0.001",
+               "embedding.optimizer.learning_rate=0.25"]
+    resumed = make_trainer(tmp_path, "train.max_steps=6", *changed, resume=str(tmp_path / "ckpt"), name="resumed")
+    resumed.fit()
+    assert [(g["lr"], g["weight_decay"]) for g in resumed.dense_optimizer.param_groups] == [(0.5, 0.001)]
+    said = resumed.out.getvalue()
+    assert ("checkpoint: resuming step-000000003 with other optimizer settings than its run's, which apply from "
+            "here: embedding.optimizer.learning_rate 0.1 -> 0.25, dense_optimizer.learning_rate 0.05 -> 0.5, "
+            "dense_optimizer.weight_decay 0.0 -> 0.001") in said, said
