@@ -406,6 +406,30 @@ class SetAssociativeCache:
             self.dirty[slots] = True
         return slots.index_select(0, inverse)
 
+    def read_rows(self, ids: torch.Tensor):
+        """(rows [U, dim] fp32, inverse [N]) of ``ids`` [N]: ``rows[inverse[i]]`` is row
+        ``ids[i]``, read where it is: its slot when resident (dirty or not: the latest values),
+        else the store. Changes nothing (no placement, eviction, use, count or statistic), so a
+        read (an evaluation) leaves the cache, and the training that follows, as they were."""
+        self.wait()  # a background prefetch may still be filling slots
+        unique, inverse, _ = unique_with_inverse(ids.to(self.device, torch.int64))
+        slots, _ = self._find(unique)
+        hit = slots >= 0
+        if self.transient is not None and not bool(hit.all()):  # rows outside their home set
+            held = self.slot_rows.index_select(0, self.transient)
+            order = torch.argsort(held)
+            held = held.index_select(0, order)
+            miss = (~hit).nonzero().squeeze(1)
+            at = torch.searchsorted(held, unique.index_select(0, miss)).clamp(max=held.numel() - 1)
+            found = held.index_select(0, at) == unique.index_select(0, miss)
+            slots[miss[found]] = self.transient.index_select(0, order.index_select(0, at[found]))
+            hit = slots >= 0
+        rows = torch.empty(unique.numel(), self.store.dim, dtype=torch.float32, device=self.device)
+        rows[hit] = self.weights.index_select(0, slots[hit])
+        if not bool(hit.all()):
+            rows[~hit] = self.store.read_rows(unique[~hit].cpu()).to(self.device)
+        return rows, inverse
+
     def prefetch(self, ids: torch.Tensor) -> None:
         """Load the rows of ``ids`` for the next lookup and pin them until that lookup's update is
         done. Rows whose home set has no unpinned way are skipped. When the next lookup gets the

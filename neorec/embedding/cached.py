@@ -34,6 +34,7 @@ import zlib
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from neorec.embedding.cache import CacheTooSmallError, SetAssociativeCache
@@ -378,8 +379,11 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._prefetch_request = request
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pool every feature of ``feature_names`` (keys may be a superset); values [B, total_dim]."""
+        """Pool every feature of ``feature_names`` (keys may be a superset); values [B, total_dim].
+        Without autograd (evaluation) the caches are only read (``_read_only_forward``)."""
         training = torch.is_grad_enabled()
+        if not training and self.caches:
+            return self._read_only_forward(features)
         self._generation += 1
         self._pending_update = False
         slotted = self._map_to_slots(features, update=training)
@@ -391,6 +395,56 @@ class CachedEmbeddingBagCollection(nn.Module):
         if training and self.caches and values.requires_grad:
             self._pending_update = True
             values = _UpdateGuard.apply(values, self, self._generation)
+        return KeyedTensor(self.feature_names, self.embedding_dims, values)
+
+    def _read_only_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """The forward of an evaluation: each cached table's rows are read where they are (its
+        slot, else its store) and pooled here, the other tables by the fused modules; no row is
+        placed, evicted or written back, no cache grows and no use is counted, so evaluating
+        leaves the caches, and the training that follows, exactly as they were."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+        keys, batch = features.keys(), features.batch_size
+        position = {k: i for i, k in enumerate(keys)}
+        offsets, bag_starts = features.offset_per_key(), features.offsets()
+        lengths = features.lengths_2d()
+        pooled: Dict[str, torch.Tensor] = {}
+        for name, cache in self.caches.items():
+            table = self._table_of[name]
+            parts = self._table_ids(features, table, position, offsets)
+            rows, inverse = cache.read_rows(torch.cat(parts) if len(parts) > 1 else parts[0])
+            start = 0
+            for feature, part in zip(table.feature_names, parts):
+                k = position[feature]
+                weights = None if features.weights is None else features.weights[offsets[k] : offsets[k + 1]]
+                local = inverse[start : start + part.numel()].to(rows.device)
+                start += part.numel()
+                bags = (bag_starts[k * batch : (k + 1) * batch] - offsets[k]).to(rows.device)
+                scale = None if weights is None else weights.to(rows.device, torch.float32)
+                if table.pooling == "mean":  # each value times 1 / len(bag), as the fused kernels do
+                    inverse_length = 1.0 / lengths[k].clamp(min=1).to(rows.device, torch.float32)
+                    per_value = inverse_length.repeat_interleave(lengths[k].to(rows.device), output_size=part.numel())
+                    scale = per_value if scale is None else scale * per_value
+                pooled[feature] = F.embedding_bag(local, rows, bags, mode="sum", per_sample_weights=scale)
+        # the fused modules see the cached features as empty bags; their columns are set below
+        empty = torch.tensor([k in pooled for k in keys], device=lengths.device)
+        kept = [features.values[offsets[k] : offsets[k + 1]] for k, key in enumerate(keys) if key not in pooled]
+        kept_weights = None if features.weights is None else [
+            features.weights[offsets[k] : offsets[k + 1]] for k, key in enumerate(keys) if key not in pooled]
+        others = KeyedJaggedTensor(
+            keys, torch.cat(kept) if kept else features.values[:0],
+            lengths.masked_fill(empty.unsqueeze(1), 0).reshape(-1),
+            None if kept_weights is None else (torch.cat(kept_weights) if kept_weights else features.weights[:0]),
+            batch_size=batch, validate=False)
+        values = self.tbe(others).values
+        if self.host_tbe is not None:
+            host = self.host_tbe(features.to("cpu")).values.to(values.device)
+            values = torch.cat([values, host], dim=1).index_select(1, self._column_order)
+        column = 0
+        for feature, dim in zip(self.feature_names, self.embedding_dims):
+            if feature in pooled:
+                values[:, column : column + dim] = pooled[feature]
+            column += dim
         return KeyedTensor(self.feature_names, self.embedding_dims, values)
 
     def _before_update(self, generation: int) -> None:

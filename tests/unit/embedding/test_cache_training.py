@@ -136,6 +136,64 @@ def test_eval_forwards_do_not_dirty_and_interleave_with_training(tmp_path):
     assert cache.stats.write_backs == before  # lookups without an update write nothing back
 
 
+@pytest.mark.parametrize("precision, policy", [("fp16", "lru"), ("int8", "lfu")])
+def test_evaluation_leaves_the_caches_and_the_training_after_it_unchanged(tmp_path, precision, policy):
+    """An evaluation used to look its rows up like a training batch: it placed and evicted rows
+    (each eviction rounds a dirty row into a low-precision store: other noise, other training),
+    grew a cache to fit an eval batch for good and counted its uses. Now it reads rows where they
+    are; training with evaluations between its steps equals training without them, bit for bit."""
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+
+    def run(directory, evaluate):
+        where = {name: TableLocation(location.kind, path=location.path and str(directory / name), cache_rows=40,
+                                     policy=policy, ways=location.ways, precision=precision)
+                 for name, location in locations(directory, 40, policy).items()}
+        cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=where)
+        eval_batch = make_batches(1, batch_size=400, seed=9)[0]  # more distinct rows than a cache has slots
+        outputs = []
+        for kjt in with_prefetch(make_batches(8), cached, sparse_of=lambda k: k):
+            cached(kjt).values.sum().backward()
+            if evaluate:
+                for cache in cached.caches.values():
+                    cache.wait()  # a background prefetch in flight finishes (its write-backs are its own)
+                before = {n: (c.num_slots, c.stats.as_dict(), c.slot_rows.clone(), c.dirty.clone(),
+                              c.last_use.clone(), c.counts.clone()) for n, c in cached.caches.items()}
+                with torch.no_grad():
+                    outputs.append(cached(eval_batch).values)
+                for name, cache in cached.caches.items():
+                    slots, stats, rows, dirty, use, counts = before[name]
+                    assert (cache.num_slots, cache.stats.as_dict()) == (slots, stats), name
+                    for old, new in ((rows, cache.slot_rows), (dirty, cache.dirty), (use, cache.last_use),
+                                     (counts, cache.counts)):
+                        assert torch.equal(old, new), name
+        cached.flush()
+        return cached, outputs
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    plain, _ = run(tmp_path / "a", evaluate=False)
+    evaluated, outputs = run(tmp_path / "b", evaluate=True)
+    for table in TABLES:
+        assert torch.equal(plain.table_weight(table.name), evaluated.table_weight(table.name)), table.name
+    assert len(outputs) == 8 and all(torch.isfinite(o).all() for o in outputs)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_evaluation_pools_cached_mean_and_weighted_bags_with_the_fused_kernels_bits(tmp_path, weighted):
+    """The read-only evaluation pools cached tables itself: sum and mean bags, with and without
+    per-value weights, must come out as the fused kernels pool them (bit for bit)."""
+    tables = [TableConfig(t.name, t.num_embeddings, t.embedding_dim, list(t.feature_names),
+                          pooling="mean" if t.name in ("shared", "wide") else "sum") for t in TABLES]
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    reference = EmbeddingBagCollection(tables, optimizer)
+    cached = CachedEmbeddingBagCollection(tables, optimizer, locations=locations(tmp_path, 40, "lru"))
+    batches = make_batches(6, weighted=weighted)
+    for i, kjt in enumerate(batches):
+        reference(kjt).values.sum().backward()
+        cached(kjt).values.sum().backward()
+        with torch.no_grad():
+            assert torch.equal(reference(batches[-1 - i]).values, cached(batches[-1 - i]).values), i
+
+
 def test_flush_between_forward_and_backward_keeps_the_update(tmp_path):
     optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
     reference = EmbeddingBagCollection(TABLES, optimizer)
