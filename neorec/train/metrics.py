@@ -105,11 +105,21 @@ def calibration(probs: ArrayLike, labels: ArrayLike) -> float:
     return float(p.sum()) / observed if observed > 0 else float("nan")
 
 
+def _log_loss_of_logits(z: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean of y softplus(-z) + (1 - y) softplus(z), each term only where its weight is not 0
+    (``binary_cross_entropy_with_logits`` gives NaN for a logit of +-inf: 0 x inf)."""
+    z, y = z.to(torch.float64), y.to(torch.float64)
+    positive = torch.where(y > 0, y * F.softplus(-z), 0.0)
+    negative = torch.where(y < 1, (1 - y) * F.softplus(z), 0.0)
+    return float((positive + negative).mean())
+
+
 def compute_metrics(logits: ArrayLike, labels: ArrayLike) -> Dict[str, float]:
     """All metrics from ``logits`` [N] (pre-sigmoid) and ``labels`` [N] in [0, 1].
 
-    Log loss (and NE) come straight from the logits (``binary_cross_entropy_with_logits``), so no
-    eps clipping is needed. Returns auc, ne, calibration, log_loss, num_samples, ctr.
+    Log loss (and NE) come straight from the logits (``_log_loss_of_logits``), so no eps clipping
+    is needed, and a saturated logit (+-inf) costs 0 when right, inf when wrong. Returns auc, ne,
+    calibration, log_loss, num_samples, ctr.
     """
     z, y = _pair("compute_metrics", logits, labels)
     _check_probability_labels("compute_metrics", y)
@@ -118,7 +128,7 @@ def compute_metrics(logits: ArrayLike, labels: ArrayLike) -> Dict[str, float]:
         nan = float("nan")
         return {"auc": nan, "ne": nan, "calibration": nan, "log_loss": nan, "num_samples": 0, "ctr": nan}
     ctr = float(y.mean())
-    loss = float(F.binary_cross_entropy_with_logits(z, y, reduction="mean"))
+    loss = _log_loss_of_logits(z, y)
     is_binary = bool(((y == 0) | (y == 1)).all())
     return {
         "auc": auc(z, y) if is_binary else float("nan"),

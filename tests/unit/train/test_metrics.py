@@ -113,6 +113,21 @@ def test_extreme_logits_stay_finite():
     assert result["log_loss"] == pytest.approx(0.0, abs=1e-30) and result["auc"] == 1.0
 
 
+def test_saturated_logits_cost_nothing_when_right_and_infinity_when_wrong():
+    """binary_cross_entropy_with_logits gave NaN log loss and NE for a logit of +-inf (0 x inf)."""
+    inf = math.inf
+    right = compute_metrics(torch.tensor([inf, -inf, 1.0, -1.0]), torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    expected = 2 * math.log1p(math.exp(-1.0)) / 4  # the two finite logits' terms
+    assert right["log_loss"] == pytest.approx(expected, rel=1e-12)
+    assert right["ne"] == pytest.approx(expected / math.log(2), rel=1e-12) and right["auc"] == 1.0
+    wrong = compute_metrics(torch.tensor([-inf, 0.0]), torch.tensor([1.0, 0.0]))
+    assert wrong["log_loss"] == inf and wrong["ne"] == inf
+    soft = compute_metrics(torch.tensor([0.3, -2.0]), torch.tensor([0.25, 0.5]))  # soft labels: the usual formula
+    reference = torch.nn.functional.binary_cross_entropy_with_logits(torch.tensor([0.3, -2.0], dtype=torch.float64),
+                                                                     torch.tensor([0.25, 0.5], dtype=torch.float64))
+    assert soft["log_loss"] == pytest.approx(float(reference), rel=1e-7)  # the inputs go through float32
+
+
 def test_against_sklearn_when_installed():
     metrics = pytest.importorskip("sklearn.metrics")
     gen = torch.Generator().manual_seed(2)
