@@ -1,5 +1,6 @@
 """Building table plans: one helper per sharding type, and ``default_plan``, a simple balanced plan
-used until the cost-model planner (``neorec/planner``) exists.
+(table-wise, row-wise for tables larger than one rank's share): what training uses when no
+``--plan`` is given (``--plan auto`` runs the cost-model planner of ``neorec/planner``).
 
     plan = default_plan(tables, world_size=4)
     plan = ShardingPlan({"t_a": row_wise(table_a, ranks=[0, 1]), "t_b": table_wise(table_b, rank=3),

@@ -17,7 +17,8 @@ into bytes, the all-to-all moves uint8, the receiver decodes back to fp32):
   of the block's largest (those land on fp16 normals); smaller ones (fp16 subnormals after
   scaling): absolute error <= 2^-39 times the largest.
 - ``bf16``: 2 bytes per value (fp32's exponent range: no scaling needed). Relative error <= 2^-8
-  (finite values beyond bf16's largest, about +-3.39e38, become +-inf).
+  for values of magnitude >= 2^-126; smaller ones (subnormals, where bf16 keeps fewer bits):
+  absolute error <= 2^-133 (finite values beyond bf16's largest, about +-3.39e38, become +-inf).
 - ``int8``: row-wise: each row's min and step (max - min) / 255, two fp32 per row, then one uint8
   per value rounded to nearest. Absolute error <= (max - min) / 510 + ulp(max |x|) per row (half a
   step, plus one fp32 ulp of the row's largest magnitude for the fp32 arithmetic of the step and
