@@ -142,9 +142,9 @@ class CriteoConfig:
         if self.seed < 0:
             raise ValueError(f"{where}.seed must be >= 0, got {self.seed}")
 
-
     def feature_names(self) -> List[str]:
         return [f"cat_{i}" for i in range(CRITEO_CATEGORICAL)]
+
 
 @dataclass
 class MovieLensConfig:

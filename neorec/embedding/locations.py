@@ -152,7 +152,7 @@ class LocationConfig:
         return self.default != "device" or any(kind != "device" for kind in self.tables.values())
 
     def check_table_names(self, names: Sequence[str]) -> None:
-        """Every table named in ``tables`` is one of ``names``."""
+        """Every table this config names (``self.tables``) is one of ``names``; else ValueError."""
         unknown = sorted(set(self.tables) - set(names))
         if unknown:
             raise ValueError(f"embedding.location.tables names {unknown}, which are not tables of this model; "
