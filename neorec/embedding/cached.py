@@ -185,7 +185,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         slots = max(slots, math.ceil(needed / ways) * ways)
         warnings.warn(f"cache of table {name!r}: a batch needs {needed} distinct rows, more than its "
                       f"{old_cache.num_slots} slots; growing it to {slots} slots", RuntimeWarning, stacklevel=3)
-        old_cache.flush()
+        self._flush_cache(old_cache)  # its store is durable and clean at this step, as after flush()
         old = self.tbe
         shapes = {n: (c.num_slots, c.ways) for n, c in self.caches.items()}
         shapes[name] = (slots, ways)
@@ -460,8 +460,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         stores durable, with the optimizer step (a reopened store goes on from it). Between a
         forward and its backward the in-flight rows stay dirty."""
         for cache in self.caches.values():
-            cache.store.training_state["optimizer_step"] = int(self.tbe.step)
-            cache.flush(in_flight=self._pending_update)
+            self._flush_cache(cache, in_flight=self._pending_update)
+
+    def _flush_cache(self, cache: SetAssociativeCache, in_flight: bool = False) -> None:
+        """One cache's flush, its store marked with the optimizer step its rows are of (a store
+        marked clean at another step would reopen as if its rows were of that step)."""
+        cache.store.training_state["optimizer_step"] = int(self.tbe.step)
+        cache.flush(in_flight=in_flight)
 
     def close(self) -> None:
         """Flush and close every store; the collection cannot train afterwards."""

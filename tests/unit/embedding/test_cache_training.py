@@ -277,6 +277,35 @@ def test_reopened_stores_of_different_steps_are_refused_and_rounding_noise_goes_
     store.close()
 
 
+def test_a_store_flushed_by_a_cache_growth_carries_the_step_of_its_rows(tmp_path):
+    """Growing a cache flushes its store; the store was marked clean with the step of its previous
+    flush (0), so after a crash right there a reopening took trained rows as step 0's, beside
+    stores that were never flushed: rows of different steps, accepted as one model."""
+    optimizer = SparseOptimizerConfig("adam", 0.1)
+    tables = [TableConfig("big", 1000, 8, ["f_big"]), TableConfig("wide", 1000, 8, ["f_wide"])]
+    paths = {t.name: str(tmp_path / t.name) for t in tables}
+    made = {n: TableLocation("cached_ssd", cache_rows=16, ways=4, path=p) for n, p in paths.items()}
+    cached = CachedEmbeddingBagCollection(tables, optimizer, locations=made)
+
+    def batch(big, wide):
+        return KeyedJaggedTensor(["f_big", "f_wide"], torch.tensor(big + wide), torch.ones(2 * len(big), dtype=torch.long))
+
+    for _ in range(3):
+        cached(batch(list(range(12)), list(range(12)))).values.sum().backward()
+    with pytest.warns(RuntimeWarning, match="cache of table 'big'.*growing it"):
+        cached(batch(list(range(100, 140)), [i % 12 for i in range(40)]))  # forward of step 4: 'big' grows
+    for cache in cached.caches.values():  # a crash here: the stores' files as they are, their locks dropped
+        cache.shutdown()
+        cache.store._close_map()
+    store = SsdRowStore.open(paths["big"])
+    assert store.training_state["optimizer_step"] == 3
+    store._close_map()
+    reopened = {n: TableLocation("cached_ssd", cache_rows=16, ways=4, path=p, open_existing=True)
+                for n, p in paths.items()}
+    with pytest.raises(ValueError, match=r"flushed at different optimizer steps \{'big': 3, 'wide': 0\}"):
+        CachedEmbeddingBagCollection(tables, optimizer, locations=reopened)
+
+
 def test_dram_tables_on_a_separate_host_module_equal_uncached(tmp_path):
     """The GPU layout of "dram" tables (a second fused module on the host), exercised on CPU."""
     optimizer = SparseOptimizerConfig("adagrad", 0.1)
