@@ -106,6 +106,9 @@ class SsdRowStore(RowStore):
             raise ValueError(f"row store {str(path)!r} already exists; open it with SsdRowStore.open or pass overwrite=True")
         lock = _lock(path)  # before anything is replaced: another process may be using the store
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        for stale in path.parent.iterdir():  # left by creators killed mid-way: under the lock, none is live
+            if stale.name.startswith(f".{path.name}.tmp-") and stale != tmp:
+                shutil.rmtree(stale, ignore_errors=True)
         meta = {"format_name": _FORMAT, "version": _VERSION, "num_rows": num_rows, "format": fmt.to_json(),
                 "stochastic_rounding": bool(stochastic_rounding), "seed": seed, "clean": True}
         try:

@@ -195,6 +195,21 @@ def test_failed_fill_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [".t.lock"]  # no store, no temporary: only the lock file
 
 
+def test_temporaries_of_creators_killed_mid_way_are_removed_by_the_next_create(tmp_path):
+    """A create killed before its rename (SIGKILL: no cleanup ran) left a table-sized
+    ``.<name>.tmp-<pid>`` folder for good, one more per crash."""
+    killed = [subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from neorec.embedding.ssd_store import SsdRowStore\n"
+        "SsdRowStore.create(sys.argv[1], 1000, 8, fill=lambda store: os.kill(os.getpid(), signal.SIGKILL))"),
+        str(tmp_path / "table")]) for _ in range(2)]
+    assert all(run.returncode == -9 for run in killed)
+    assert len(list(tmp_path.glob(".table.tmp-*"))) == 1  # the second create removed the first's
+    (tmp_path / ".other.tmp-1").mkdir()  # another store's: not this create's business
+    SsdRowStore.create(tmp_path / "table", 10, 4).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1", ".table.lock", "table"]
+
+
 def test_errors(tmp_path):
     store = DramRowStore(10, 4, "fp16", {"momentum1": 1}, name="t_user")
     with pytest.raises(ValueError, match=r"row store 't_user': rows must be \[2, 4\], got \(2, 5\)"):
