@@ -155,13 +155,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ trainer hooks
     def start(self, resume: Optional[str], steps_per_epoch: int) -> Position:
-        """Restore from ``resume`` (or, under a torchrun restart with ``auto_resume``, from
-        ``checkpoint.dir``); returns the position to continue from (zero when starting fresh)."""
+        """Restore from ``resume``, or, under a torchrun restart with ``auto_resume``, from the newest
+        complete checkpoint of ``checkpoint.dir`` (where this run saved before the restart; ``resume``
+        only when it holds none); returns the position to continue from (zero when starting fresh)."""
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        if resume is None and self.cfg.auto_resume and restarted and self.root is not None:
+        if self.cfg.auto_resume and restarted and self.root is not None:
             if find_latest_complete(self.root, out=io.StringIO()) is not None:
+                if resume is not None and Path(resume).resolve() != self.root.resolve():
+                    self._say(f"restarted by torchrun: resuming from {self.root}, where this run saved, "
+                              f"not from --resume {resume}")
                 resume = str(self.root)
-            else:
+            elif resume is None:
                 self._say(f"restarted by torchrun, but {self.root} holds no complete checkpoint: starting fresh")
         if resume is None:
             self._refuse_other_runs(None)

@@ -263,6 +263,22 @@ def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
     assert alone.fit().samples == 2 * 128 and "resumed" not in alone.out.getvalue()  # fresh, in its own directory
 
 
+def test_a_run_started_with_resume_comes_back_from_its_own_checkpoints_after_a_restart(tmp_path, monkeypatch):
+    """Restarted by torchrun, a run started with --resume went back to that checkpoint, then found
+    its own later ones in checkpoint.dir and refused them as another run's: every restart failed."""
+    make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2)).fit()
+    other = [f"checkpoint.dir='{tmp_path / 'ckpt2'}'", "checkpoint.every_steps=2"]
+    make_trainer(tmp_path, "train.max_steps=4", *other, resume=str(tmp_path / "ckpt"), name="second").fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the same command, restarted after step 4
+    restarted = make_trainer(tmp_path, "train.max_steps=6", *other, resume=str(tmp_path / "ckpt"), name="again")
+    assert restarted.fit().samples == 2 * 128 and restarted.step == 6
+    said = restarted.out.getvalue()
+    assert f"restarted by torchrun: resuming from {tmp_path / 'ckpt2'}, where this run saved, not from --resume" in said
+    reference = make_trainer(tmp_path, "train.max_steps=6", name="reference")
+    reference.fit()
+    assert_identical(snapshot(reference), snapshot(restarted))
+
+
 @pytest.mark.parametrize("change, message", [
     ("model.dense_layers=[16, 4]", r"dense weights do not fit the model \(dense_arch.mlp.0.weight \[8, 4\] in the "
                                    r"checkpoint, \[16, 4\] in the model"),
