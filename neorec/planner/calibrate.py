@@ -28,6 +28,7 @@ from typing import Dict, Optional
 import torch
 
 from neorec.planner.topology import Topology, default_calibration_path
+from neorec.train.distributed import usable_cpus
 
 
 def median_seconds(fn, repeats: int = 5) -> float:
@@ -127,7 +128,7 @@ def calibrate(num_ranks: int = 2, out: Optional[str | Path] = None, progress=pri
     """Measure this machine for ``num_ranks`` local ranks and save the topology (atomically)."""
     if num_ranks < 1:
         raise ValueError(f"calibration: num_ranks must be >= 1, got {num_ranks}")
-    threads = max(1, (os.cpu_count() or 1) // num_ranks)
+    threads = max(1, usable_cpus() // num_ranks)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -40,6 +40,27 @@ ENV_KEYS = ("RANK", "WORLD_SIZE")
 DEFAULT_TIMEOUT_SECONDS = 600
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (``taskset``, a container's cpuset), not
+    every CPU of the machine."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_per_rank(local_ranks: int, environ: Optional[dict] = None) -> int:
+    """Intra-op threads of one of ``local_ranks`` processes on this machine: ``OMP_NUM_THREADS``
+    when set (by the user, or by torchrun, which sets 1 for several ranks per node), else an even
+    share of ``usable_cpus()``."""
+    environ = os.environ if environ is None else environ
+    try:
+        asked = int(environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        asked = 0
+    return asked if asked > 0 else max(1, usable_cpus() // max(1, local_ranks))
+
+
 def launched_by_torchrun(environ: Optional[dict] = None) -> bool:
     """True when RANK and WORLD_SIZE are set (torchrun, or ``neorec train --nproc``)."""
     environ = os.environ if environ is None else environ

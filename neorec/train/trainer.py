@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collect
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.checkpoint_tables import OFF_DEVICE_CHECKPOINTS
-from neorec.train.distributed import DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch
+from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch,
+                                     threads_per_rank)
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
 from neorec.train.timeline import StepTimeline
@@ -200,7 +200,7 @@ class Trainer:
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         elif distributed is not None:  # share the cores among the local ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size))
+            torch.set_num_threads(threads_per_rank(distributed.local_world_size))
         self.device = distributed.device if distributed else resolve_device(cfg.train.device)
         self.source = source if source is not None else make_data_source(cfg.data)
         if distributed is not None and cfg.embedding.location.any_off_device():

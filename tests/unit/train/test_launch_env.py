@@ -53,3 +53,17 @@ def test_ranks_started_from_inside_torchrun_see_only_the_launchers_variables(tmp
     (tmp_path / "env_rank.py").write_text(ENV_RANK)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     assert launch_local(2, [], module="env_rank") == 0
+
+
+def test_a_ranks_threads_honour_omp_num_threads_and_the_affinity_mask(monkeypatch):
+    """Each rank took cpu_count / local ranks threads: every CPU of the machine, whatever the
+    process was allowed to run on (taskset, a container's cpuset), and over an OMP_NUM_THREADS the
+    user (or torchrun) had set."""
+    from neorec.train import distributed
+
+    assert distributed.threads_per_rank(2, {"OMP_NUM_THREADS": "3"}) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert distributed.usable_cpus() == 6
+    assert distributed.threads_per_rank(2, {}) == 3 and distributed.threads_per_rank(8, {}) == 1
+    assert distributed.threads_per_rank(2, {"OMP_NUM_THREADS": "junk"}) == 3
