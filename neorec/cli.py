@@ -387,6 +387,9 @@ def _env_flag(name: str) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before _main's own handling (building the parser imports torch)
+        print("neorec: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`neorec config | head`): stop quietly
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

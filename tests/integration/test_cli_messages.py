@@ -72,6 +72,18 @@ def test_train_names_the_set_that_makes_data_keys_disagree(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # stopped at load time, before anything was built
 
 
+def test_ctrl_c_while_the_command_starts_is_a_plain_interruption(monkeypatch, capsys):
+    """Building the parser imports torch (1-2 s): Ctrl-C then gave a traceback and exit code 1."""
+    import neorec.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "neorec: interrupted\n"
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
