@@ -175,6 +175,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.nproc is not None and args.nproc > 1:
         from neorec.train.launch import launch_local
 
+        _config_and_plan(args, args.nproc)  # a mistake is said once, before N ranks start and each says it
         return launch_local(args.nproc, list(argv))
     if args.plan is not None:
         raise ValueError("--plan needs several processes: add --nproc N or start with torchrun")
@@ -221,16 +222,23 @@ def _resume_hint(trainer) -> str:
     return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
 
 
-def _train_distributed(args: argparse.Namespace) -> int:
+def _config_and_plan(args: argparse.Namespace, world: int):
+    """(config, plan) of a run of ``world`` processes: the plan file loaded and checked against the
+    world (``--plan auto`` and no plan stay as given)."""
     from neorec.sharding import ShardingPlan
-    from neorec.train.distributed import DistributedContext
 
     cfg = _train_config(args)
-    plan = ShardingPlan.load(args.plan) if args.plan and args.plan != "auto" else args.plan  # before joining
-    world = int(os.environ["WORLD_SIZE"])
+    plan = ShardingPlan.load(args.plan) if args.plan and args.plan != "auto" else args.plan
     if isinstance(plan, ShardingPlan) and plan.world_size != world:
         raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has {world} "
                          f"ranks; make a plan for {world} ranks ({args.plan})")
+    return cfg, plan
+
+
+def _train_distributed(args: argparse.Namespace) -> int:
+    from neorec.train.distributed import DistributedContext
+
+    cfg, plan = _config_and_plan(args, int(os.environ["WORLD_SIZE"]))  # before joining
     context = DistributedContext.from_env(cfg.train.device)
     try:
         result = _fit_distributed(cfg, context, plan, args.resume)  # the model is gone before the groups close

@@ -84,6 +84,28 @@ def test_ctrl_c_while_the_command_starts_is_a_plain_interruption(monkeypatch, ca
     assert capsys.readouterr().err == "neorec: interrupted\n"
 
 
+def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, capsys, monkeypatch):
+    """Each of N ranks loaded the config and plan and said the same error: N lines, ~20 s for 4."""
+    import neorec.train.launch as launch
+    from neorec.config import load_config
+    from neorec.data.source import make_data_source
+    from neorec.sharding.planning import default_plan
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started for a command that cannot run")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    assert main(["train", "--config", str(TINY), "--nproc", "4", "--set", "train.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown config key 'train.bogus'" in err, err
+    cfg = load_config(TINY)
+    plan = tmp_path / "plan.json"
+    plan.write_text(default_plan(make_data_source(cfg.data).tables(cfg.model.embedding_dim), 2).to_json())
+    assert main(["train", "--config", str(TINY), "--nproc", "3", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "written for world_size 2, but the world has 3 ranks" in err, err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
