@@ -123,6 +123,12 @@ class Position:
     batch_in_epoch: int = 0
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the run stops (exit code 1: it failed, it was not misused)."""
+
+    exit_code = 1
+
+
 class Checkpointer:
     """Saves and restores a ``Trainer``'s complete state; see the module docstring."""
 
@@ -236,7 +242,19 @@ class Checkpointer:
         return "incremental"
 
     def save(self) -> Path:
-        """Write a checkpoint of the current state (every rank calls it at the same step)."""
+        """Write a checkpoint of the current state (every rank calls it at the same step). A file
+        that cannot be written (a full disk, say) stops the run with ``CheckpointWriteError``."""
+        try:
+            return self._save()
+        except OSError as exc:
+            step, last = self.trainer.step, self.last_saved_step
+            where = (f"its last complete checkpoint is of step {last}: --resume {self.root} goes on from there"
+                     if last is not None else "no checkpoint of it is complete yet")
+            raise CheckpointWriteError(f"could not write the checkpoint of step {step} in {self.root} "
+                                       f"({exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}); "
+                                       f"training stopped; {where}") from exc
+
+    def _save(self) -> Path:
         trainer, step = self.trainer, self.trainer.step
         kind = self._choose_kind()
         path = self.root / checkpoint_name(step)

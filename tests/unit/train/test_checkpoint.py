@@ -423,3 +423,33 @@ def test_a_resume_with_other_optimizer_settings_uses_them_and_says_so(tmp_path):
     assert ("checkpoint: resuming step-000000003 with other optimizer settings than its run's, which apply from "
             "here: embedding.optimizer.learning_rate 0.1 -> 0.25, dense_optimizer.learning_rate 0.05 -> 0.5, "
             "dense_optimizer.weight_decay 0.0 -> 0.001") in said, said
+
+
+def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(tmp_path, monkeypatch):
+    """A full disk stopped the run with a bare "[Errno 28] No space left on device" and the usage
+    exit code 2: no step, no path, no word of the checkpoint to go on from."""
+    import errno
+
+    import neorec.train.checkpoint as checkpoint
+    from neorec.cli import main
+
+    real = checkpoint.save_tensors
+
+    def full_disk_at_step_4(path, tensors):
+        if "step-000000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, tensors)
+
+    monkeypatch.setattr(checkpoint, "save_tensors", full_disk_at_step_4)
+    trainer = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2))
+    with pytest.raises(checkpoint.CheckpointWriteError) as error:
+        trainer.fit()
+    message = str(error.value)
+    assert message.startswith(f"could not write the checkpoint of step 4 in {tmp_path / 'ckpt'} (No space left on "
+                              f"device: {tmp_path / 'ckpt' / 'step-000000004' / 'rank0.pt'}); training stopped; its "
+                              f"last complete checkpoint is of step 2: --resume {tmp_path / 'ckpt'} goes on from there")
+    assert verify_checkpoint(tmp_path / "ckpt" / "step-000000002")["step"] == 2
+    rc = main(["train", "--config", "configs/tiny.toml", *[f"--set={s}" for s in SMALL], "--no-progress",
+               "--output-dir", str(tmp_path / "cli"), "--set", f"checkpoint.dir='{tmp_path / 'ckpt2'}'",
+               "--set", "checkpoint.every_steps=2", "--set", "train.max_steps=6"])
+    assert rc == 1  # a failed run, not a misused command
