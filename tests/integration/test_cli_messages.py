@@ -48,20 +48,6 @@ def test_write_criteo_into_a_missing_directory_names_the_path_given(tmp_path, ca
     assert f"cannot write {blocker / 'x.tsv'}: its directory {blocker} is not a directory" in capsys.readouterr().err
 
 
-def test_unexpected_error_is_exactly_one_line(monkeypatch, capsys):
-    import neorec.cli as cli
-
-    def broken(args):
-        raise RuntimeError("boom\nsecond line")
-
-    monkeypatch.setattr(cli, "cmd_config", broken)
-    assert main(["config"]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.endswith("\n"), err
-    assert err.startswith("neorec config: error: RuntimeError: boom second line (unexpected; ")
-    assert "`neorec --traceback config ...` shows where" in err
-
-
 def test_train_names_the_set_that_makes_data_keys_disagree(tmp_path, capsys):
     rc = main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "run"), "--no-progress",
                "--set", "data.synthetic.num_tables=2"])

@@ -78,12 +78,15 @@ def test_unexpected_errors_are_one_line_and_traceback_shows_them(monkeypatch, ca
     import neorec.cli as cli
 
     def broken(args):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(cli, "cmd_config", broken)
     assert main(["config"]) == 1
     err = capsys.readouterr().err
     assert "neorec config: error: RuntimeError: boom" in err and "--traceback" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and err.endswith("\n"), err  # one line, whatever the message holds
+    assert err.startswith("neorec config: error: RuntimeError: boom second line (unexpected; ")
+    assert "`neorec --traceback config ...` shows where" in err
     for argv in (["--traceback", "config"], ["config", "--traceback"]):  # before or after the command
         with pytest.raises(RuntimeError, match="boom"):
             main(argv)
