@@ -388,10 +388,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._pending_update = False
         slotted = self._map_to_slots(features, update=training)
         self._start_prefetch()
-        values = self.tbe(slotted).values
-        if self.host_tbe is not None:
-            host = self.host_tbe(features.to("cpu")).values.to(values.device)
-            values = torch.cat([values, host], dim=1).index_select(1, self._column_order)
+        values = self._with_host_tables(self.tbe(slotted).values, features)
         if training and self.caches and values.requires_grad:
             self._pending_update = True
             values = _UpdateGuard.apply(values, self, self._generation)
@@ -436,16 +433,20 @@ class CachedEmbeddingBagCollection(nn.Module):
             lengths.masked_fill(empty.unsqueeze(1), 0).reshape(-1),
             None if kept_weights is None else (torch.cat(kept_weights) if kept_weights else features.weights[:0]),
             batch_size=batch, validate=False)
-        values = self.tbe(others).values
-        if self.host_tbe is not None:
-            host = self.host_tbe(features.to("cpu")).values.to(values.device)
-            values = torch.cat([values, host], dim=1).index_select(1, self._column_order)
+        values = self._with_host_tables(self.tbe(others).values, features)
         column = 0
         for feature, dim in zip(self.feature_names, self.embedding_dims):
             if feature in pooled:
                 values[:, column : column + dim] = pooled[feature]
             column += dim
         return KeyedTensor(self.feature_names, self.embedding_dims, values)
+
+    def _with_host_tables(self, values: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
+        """``values`` of the fused module with the host module's columns added, in feature order."""
+        if self.host_tbe is None:
+            return values
+        host = self.host_tbe(features.to("cpu")).values.to(values.device)
+        return torch.cat([values, host], dim=1).index_select(1, self._column_order)
 
     def _before_update(self, generation: int) -> None:
         if generation != self._generation:
