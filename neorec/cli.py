@@ -164,11 +164,16 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()):
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.distributed import launched_by_torchrun
+    from neorec.train.launch import started_by_a_launcher
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
+        if args.nproc is not None and not started_by_a_launcher():
+            raise ValueError(f"--nproc {args.nproc}, but RANK={os.environ['RANK']} and WORLD_SIZE={world} are set in "
+                             "the environment and no launcher started this process: unset RANK and WORLD_SIZE "
+                             "for --nproc to start the ranks, or drop --nproc when another launcher starts them")
         if args.nproc is not None and args.nproc != world:
             raise ValueError(f"--nproc {args.nproc} but the launcher started WORLD_SIZE={world} processes")
         return _train_distributed(args)

@@ -80,6 +80,13 @@ LAUNCHER_ENV = "NEOREC_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 
 
+def started_by_a_launcher(environ: Optional[dict] = None) -> bool:
+    """True in a rank that ``launch_local`` or torchrun started (their own variables are set), False
+    where RANK and WORLD_SIZE are only left over in a shell's environment."""
+    environ = os.environ if environ is None else environ
+    return LAUNCHER_ENV in environ or "TORCHELASTIC_RUN_ID" in environ
+
+
 def die_with_launcher() -> None:
     """Called first thing by a rank that ``launch_local`` started (``LAUNCHER_ENV`` is set): on
     Linux, have the kernel send this process SIGTERM when the launcher dies. Elsewhere a no-op."""

@@ -92,6 +92,28 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     assert err.count("\n") == 1 and "written for world_size 2, but the world has 3 ranks" in err, err
 
 
+def test_nproc_with_a_leftover_rank_and_world_size_says_so(monkeypatch, capsys):
+    """RANK / WORLD_SIZE exported in the shell made `--nproc 2` join a world nobody started (a wait
+    for a rendezvous until the timeout) instead of starting its ranks."""
+    import neorec.train.launch as launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    for key in ("TORCHELASTIC_RUN_ID", launch.LAUNCHER_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--config", str(TINY), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RANK=0 and WORLD_SIZE=2 are set in the environment" in err, err
+    assert "unset RANK and WORLD_SIZE" in err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun started it: --nproc must match the world
+    assert main(["train", "--config", str(TINY), "--nproc", "3"]) == 2
+    assert "--nproc 3 but the launcher started WORLD_SIZE=2 processes" in capsys.readouterr().err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
