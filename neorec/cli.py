@@ -180,7 +180,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.nproc is not None and args.nproc > 1:
         from neorec.train.launch import launch_local
 
-        _config_and_plan(args, args.nproc)  # a mistake is said once, before N ranks start and each says it
+        cfg, _ = _config_and_plan(args, args.nproc)  # a mistake is said once, before N ranks start and each says it
+        cfg.data.check_inputs_exist()
         return launch_local(args.nproc, list(argv))
     if args.plan is not None:
         raise ValueError("--plan needs several processes: add --nproc N or start with torchrun")

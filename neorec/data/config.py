@@ -6,6 +6,7 @@ Each dataclass checks its own values in ``__post_init__`` and raises ``ValueErro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List
 
 DATA_SOURCES = ("synthetic", "criteo", "movielens")
@@ -197,3 +198,15 @@ class DataConfig:
     def table_names(self) -> List[str]:
         """The tables the chosen source makes (``t_<feature>``), known before any data is read."""
         return [table_name(f) for f in getattr(self, self.source).feature_names()]
+
+    def check_inputs_exist(self) -> None:
+        """Raise ``FileNotFoundError`` naming the key when the chosen source's input file or directory
+        is missing. The sources check it too, when built; ``neorec train --nproc N`` asks before it
+        starts ranks, so that the error is said once rather than by every rank."""
+        if self.source == "criteo":
+            for key in ("train_path", "eval_path"):
+                path = getattr(self.criteo, key)
+                if path and not Path(path).is_file():
+                    raise FileNotFoundError(f"Criteo TSV file not found: {path} (data.criteo.{key})")
+        elif self.source == "movielens" and not Path(self.movielens.path).is_dir():
+            raise FileNotFoundError(f"MovieLens directory not found: {self.movielens.path} (data.movielens.path)")

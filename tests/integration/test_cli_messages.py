@@ -90,6 +90,14 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     assert main(["train", "--config", str(TINY), "--nproc", "3", "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "written for world_size 2, but the world has 3 ranks" in err, err
+    missing = tmp_path / "day_0.tsv"  # each rank said it, after ~10 s of starting
+    assert main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), "--nproc", "2",
+                 "--set", f"data.criteo.train_path={missing}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"neorec train: error: Criteo TSV file not found: {missing} (data.criteo.train_path)\n", err
+    assert main(["train", "--config", str(ROOT / "configs" / "movielens.toml"), "--nproc", "2",
+                 "--set", f"data.movielens.path={tmp_path / 'ml'}"]) == 2
+    assert "MovieLens directory not found: " in capsys.readouterr().err
 
 
 def test_nproc_with_a_leftover_rank_and_world_size_says_so(monkeypatch, capsys):
