@@ -303,16 +303,21 @@ def _build(cls: type, values: Dict[str, Any], prefix: str = "") -> Any:
 
 
 def _did_you_mean(where: str) -> str:
-    """``"; did you mean 'X'?"`` for an unknown key: the keys or sections of that name elsewhere
-    (``train.checkpoint`` -> ``checkpoint``), else the closest spelling (``train.max_step``)."""
+    """``"; did you mean 'X'?"`` for an unknown key: the keys of its section with that word in their
+    name (``data.criteo.path`` -> ``data.criteo.train_path``), then the keys or sections of that
+    name elsewhere (``train.checkpoint`` -> ``checkpoint``), else the closest spelling
+    (``train.max_step``)."""
     keys = [key for key, _, _ in iter_config_keys()]
     known = sorted(set(keys) | {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)})
     name = where.rsplit(".", 1)[-1]
     known = [k for k in known if not where.startswith(k + ".")]  # not its own sections
-    guesses = [k for k in known if k.rsplit(".", 1)[-1] == name]
+    section = where[: -len(name)]
+    siblings = [k[len(section):] for k in known if k.startswith(section) and "." not in k[len(section):]]
+    with_word = [sibling for sibling in siblings if name in sibling.split("_")]
+    closest = sorted(with_word, key=lambda sibling: -difflib.SequenceMatcher(None, name, sibling).ratio())
+    guesses = [section + sibling for sibling in closest[:3]]
+    guesses += [k for k in known if k.rsplit(".", 1)[-1] == name]
     if not guesses:  # a misspelt name in the same section
-        section = where[: -len(name)]
-        siblings = [k[len(section):] for k in known if k.startswith(section) and "." not in k[len(section):]]
         guesses = [section + close for close in difflib.get_close_matches(name, siblings, 2, 0.8)]
     return f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
 

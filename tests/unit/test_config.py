@@ -32,6 +32,9 @@ def test_parse_override_types():
         ("model.nope=1", "unknown config key 'model.nope'"),
         ("train.max_step=1", "unknown config key 'train.max_step'.*did you mean 'train.max_steps'"),
         ("train.checkpoint.dir=x", "unknown config key 'train.checkpoint'.*did you mean 'checkpoint'"),
+        ("data.criteo.path=x", "did you mean 'data.criteo.eval_path' or 'data.criteo.train_path' or "
+                               "'data.movielens.path'"),  # only the MovieLens key was named
+        ("train.steps=3", "did you mean 'train.max_steps' or"),  # the closest first
         ("nosection.x=1", "unknown config key 'nosection'"),
         ("train.max_steps=1.5", "'train.max_steps' must be an integer"),
         ("train.progress=3", "must be true or false"),
