@@ -442,7 +442,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", EXIT_USAGE)  # a diverged run failed (1); it was not misused
     except KeyboardInterrupt:
-        print(f"neorec {args.command}{where}: interrupted", file=sys.stderr)
+        ranks = "; stopped every rank" if getattr(args, "nproc", None) and not where else ""
+        print(f"neorec {args.command}{where}: interrupted{ranks}", file=sys.stderr)
         return 130
     except Terminated as exc:
         ranks = " every rank" if getattr(args, "nproc", None) else ""

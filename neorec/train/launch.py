@@ -9,12 +9,14 @@ holds any, are not passed on. When a rank exits with an error the others are sto
 would otherwise wait in a collective until its timeout) and its exit code is returned (128 + N for
 a rank killed by signal N, e.g. 137 for SIGKILL, and the message names the signal). Ctrl-C,
 SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch scheduler or ``docker stop`` send)
-stop them all; on Linux a rank also receives SIGTERM when the launcher dies without a chance to
-clean up (SIGKILL), so no rank outlives it. For several nodes use torchrun.
+stop them all (the ranks ignore SIGINT: the launcher alone answers Ctrl-C); on Linux a rank also
+receives SIGTERM when the launcher dies without a chance to clean up (SIGKILL), so no rank
+outlives it. For several nodes use torchrun.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -117,6 +119,23 @@ def _how_it_ended(returncode: int) -> str:
     return f"was killed by {name}"
 
 
+@contextlib.contextmanager
+def _ranks_ignore_ctrl_c():
+    """Processes started inside ignore SIGINT for their whole life (an ignored signal stays ignored
+    across exec, and Python then installs no KeyboardInterrupt handler). Ctrl-C in a terminal
+    reaches every process of its group: the ranks, at any point of their start or training, said
+    'interrupted' or printed a traceback beside the launcher; now the launcher alone answers it and
+    stops them (SIGTERM). Ctrl-C during the few milliseconds of the spawning itself is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int:
     """Run ``python -m <module> *argv`` as ``nproc`` ranks; 0 when all succeed, else the exit code
     of the first rank that failed (128 + N when it was killed by signal N, as a shell reports it).
@@ -130,10 +149,11 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
         for signum in (signal.SIGTERM, signal.SIGHUP):
             previous[signum] = signal.signal(signum, _raise_terminated)
     try:
-        for rank in range(nproc):
-            env = rank_environment(rank, nproc, port)
-            env[LAUNCHER_ENV] = str(os.getpid())
-            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+        with _ranks_ignore_ctrl_c():
+            for rank in range(nproc):
+                env = rank_environment(rank, nproc, port)
+                env[LAUNCHER_ENV] = str(os.getpid())
+                processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
         while True:
             codes = [p.poll() for p in processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]

@@ -139,6 +139,31 @@ def test_no_rank_outlives_a_stopped_or_killed_launcher(signum):
         launcher.wait()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_is_answered_by_the_launcher_alone():
+    """Ctrl-C in a terminal signals the whole process group: each rank printed its own
+    KeyboardInterrupt (a traceback while starting, 'interrupted' lines mixed into the launcher's)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom neorec.train.launch import launch_local\n"
+         "try:\n    launch_local(2, [], module='sleep_rank')\n"
+         "except KeyboardInterrupt:\n    print('launcher interrupted', file=sys.stderr); sys.exit(130)"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")])),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ranks = []
+    try:
+        assert _wait_for(lambda: len(_children(launcher.pid)) == 2, 60)
+        ranks = _children(launcher.pid)
+        time.sleep(1.0)  # the ranks are importing or sleeping
+        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 130 and err == "launcher interrupted\n", err
+        assert _wait_for(lambda: not any(_alive(pid) for pid in ranks), 15)
+    finally:
+        _kill_all([launcher.pid, *ranks])
+        launcher.wait()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 def test_neorec_train_ranks_die_with_a_killed_launcher(tmp_path):
     """`kill -9` of `neorec train --nproc 2` (the launcher cannot clean up): its ranks stop too."""
