@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 EXIT_USAGE = 2  # the command as given cannot run: bad option, config, input file or folder
@@ -164,7 +165,7 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()):
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.distributed import launched_by_torchrun
-    from neorec.train.launch import started_by_a_launcher
+    from neorec.train.launch import Terminated, started_by_a_launcher
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -182,10 +183,13 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         cfg, _ = _config_and_plan(args, args.nproc)  # a mistake is said once, before N ranks start and each says it
         cfg.data.check_inputs_exist()
-        return launch_local(args.nproc, list(argv))
+        try:
+            return launch_local(args.nproc, list(argv))
+        except (KeyboardInterrupt, Terminated):  # the ranks are stopped; say where to go on from; _main says why
+            print(f"neorec train: {_saved_checkpoint_hint(cfg.checkpoint.dir)}", file=sys.stderr)
+            raise
     if args.plan is not None:
         raise ValueError("--plan needs several processes: add --nproc N or start with torchrun")
-    from neorec.train.launch import Terminated
     from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
@@ -226,6 +230,18 @@ def _resume_hint(trainer) -> str:
     if saved is None:
         return " (no checkpoint saved yet)"
     return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
+
+
+def _saved_checkpoint_hint(root: str) -> str:
+    """Where a stopped multi-process run can go on from: its newest checkpoint under ``root``."""
+    from neorec.train.checkpoint import newest_saved_step
+
+    if not root:
+        return "no checkpoints (set checkpoint.dir to be able to resume)"
+    step = newest_saved_step(Path(root))
+    if step is None:
+        return f"no checkpoint saved yet in {root}"
+    return f"its newest checkpoint is of step {step}: --resume {root} goes on from there"
 
 
 def _config_and_plan(args: argparse.Namespace, world: int):

@@ -114,6 +114,15 @@ def find_latest_complete(root: Path, out=None, max_step: Optional[int] = None) -
     return None
 
 
+def newest_saved_step(root: Path) -> Optional[int]:
+    """The step of the newest checkpoint under ``root`` whose manifest was written (no checksums
+    read: cheap, for messages; ``--resume`` verifies and falls back to an older one if needed)."""
+    root = Path(root)
+    steps = [_step_of(p) for p in root.iterdir() if (p / MANIFEST).is_file()] if root.is_dir() else []
+    steps = [step for step in steps if step is not None]
+    return max(steps) if steps else None
+
+
 @dataclass
 class Position:
     """Where training is: ``batch_in_epoch`` global batches of ``epoch`` are done."""

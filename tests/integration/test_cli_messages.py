@@ -122,6 +122,31 @@ def test_nproc_with_a_leftover_rank_and_world_size_says_so(monkeypatch, capsys):
     assert "--nproc 3 but the launcher started WORLD_SIZE=2 processes" in capsys.readouterr().err
 
 
+def test_nproc_stopped_by_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch, capsys):
+    """A single process says where it stopped and what to resume from; `--nproc N` said only
+    'interrupted'. The launcher names the newest checkpoint whose manifest was written."""
+    import neorec.train.launch as launch
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "launch_local", interrupted)
+    root = tmp_path / "ck"
+    args = ["train", "--config", str(TINY), "--nproc", "2", "--set", f"checkpoint.dir='{root}'"]
+    assert main(args) == 130
+    assert capsys.readouterr().err == (f"neorec train: no checkpoint saved yet in {root}\n"
+                                       "neorec train: interrupted; stopped every rank\n")
+    for step, complete in ((20, True), (40, True), (60, False)):  # step 60 was being written
+        (root / f"step-{step:09d}").mkdir(parents=True)
+        if complete:
+            (root / f"step-{step:09d}" / "manifest.json").write_text("{}")
+    assert main(args) == 130
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"neorec train: its newest checkpoint is of step 40: --resume {root} goes on from there")
+    assert main(args[:-2]) == 130
+    assert "no checkpoints (set checkpoint.dir to be able to resume)" in capsys.readouterr().err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
