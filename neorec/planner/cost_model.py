@@ -20,8 +20,13 @@ of pooling factor L ids per sample, a piece of d columns stored in e bytes per e
   inside the node (NVLink) and outside it (NIC), the slower of the two sets the time. Node-local
   row-wise (TWRW) reduces the partial sums inside the node first (reduce-scatter over NVLink),
   so only 1/R of them cross nodes, as in Neo's hierarchical collectives.
-- replicas (DATA_PARALLEL): a dense gradient of the whole table is all-reduced (hierarchical:
-  ring inside the node, then the R NICs of a node in parallel) and the optimizer sweeps all rows.
+- latency: a piece's communication costs are bandwidth terms; the fixed latency of each collective
+  is paid once per step by every rank, however many tables it carries (``collective_latencies``,
+  added by ``PlanResult.ranks()`` and to the plan's makespan).
+- replicas (DATA_PARALLEL): a dense gradient of the whole table (fp32, plus a look-up count per
+  row) is all-reduced (hierarchical: ring inside the node, then the R NICs of a node in parallel),
+  the optimizer updates the rows some rank looked up (at most G * L) and the buffer is zeroed;
+  every rank keeps that gradient buffer besides the table.
 - memory: rows x (d x e + optimizer state) on the tier's backing store; a cached tier also holds
   ``cache_fraction`` of the rows in fp32 (+ state) on the device; model-parallel pieces hold
   double-buffered (pipelined) id and pooled-output buffers on the device.
@@ -35,7 +40,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 from neorec.planner.topology import Topology
 from neorec.sharding.plan import ShardingType
@@ -96,7 +101,8 @@ class PlanSettings:
     precisions / tiers: allowed, in order of preference (the planner relaxes left to right only
         when the plan does not fit otherwise).
     sharding_types: allowed sharding types.
-    comm_bytes: bytes per pooled value on the wire (4 = fp32, 2 = fp16 quantized communication).
+    comm_bytes: bytes per pooled value on the wire (4 = fp32, 2 = fp16, 1 = int8 quantized
+        communication, whose rows also carry 8 bytes of min and step).
     cache_fraction / cache_hit_rate: device cache size of a cached tier (fraction of the rows)
         and the hit rate assumed for it.
     device_reserve_fraction: device memory kept for dense parameters and activations.
@@ -183,25 +189,45 @@ def state_bytes_per_row(optimizer: str, dim: int) -> int:
     return {"sgd": 0, "rowwise_adagrad": 4, "adagrad": 4 * dim, "adam": 8 * dim}[optimizer]
 
 
-def alltoall_seconds(num_bytes: float, topo: Topology) -> float:
-    """One rank sends ``num_bytes`` spread evenly over all ranks (its own share stays local)."""
+def alltoall_seconds(num_bytes: float, topo: Topology, latency: bool = True) -> float:
+    """One rank sends ``num_bytes`` spread evenly over all ranks (its own share stays local);
+    ``latency``: plus the collective's fixed latency (False for one table's share of a collective
+    that all tables use together, see ``collective_latencies``)."""
     world, per_node = topo.world_size, int(topo.ranks_per_node)
     if world == 1 or num_bytes <= 0:
         return 0.0
     intra = num_bytes * (per_node - 1) / world / topo.intra_node_bandwidth
     inter = num_bytes * (world - per_node) / world / topo.inter_node_bandwidth
-    return max(intra, inter) + topo.collective_latency
+    return max(intra, inter) + (topo.collective_latency if latency else 0.0)
 
 
-def allreduce_seconds(num_bytes: float, topo: Topology) -> float:
+def allreduce_seconds(num_bytes: float, topo: Topology, latency: bool = True) -> float:
     """Hierarchical all-reduce of ``num_bytes`` per rank: ring inside the node over NVLink, then
-    the node's R NICs in parallel across nodes."""
+    the node's R NICs in parallel across nodes; ``latency`` as in ``alltoall_seconds``."""
     per_node, nodes = int(topo.ranks_per_node), int(topo.num_nodes)
     if topo.world_size == 1 or num_bytes <= 0:
         return 0.0
     intra = 2 * (per_node - 1) / per_node * num_bytes / topo.intra_node_bandwidth
     inter = 2 * (nodes - 1) / nodes * num_bytes / (per_node * topo.inter_node_bandwidth) if nodes > 1 else 0.0
-    return intra + inter + topo.collective_latency
+    return intra + inter + (topo.collective_latency if latency else 0.0)
+
+
+def collective_latencies(kinds: Iterable[ShardingType], topo: Topology) -> Cost:
+    """The fixed latency of the collectives a step of a plan with these sharding types makes, paid
+    once per step by every rank however many tables share them: the input, output and gradient
+    all-to-alls when any table is model-parallel (node-local row-wise on several nodes: one more
+    stage each way), one all-reduce of the replicas' gradients when any table is data-parallel."""
+    kinds = set(kinds)
+    cost = Cost()
+    if topo.world_size == 1:
+        return cost
+    latency = topo.collective_latency
+    if kinds - {ShardingType.DATA_PARALLEL}:
+        stages = 2 if ShardingType.TABLE_ROW_WISE in kinds and topo.num_nodes > 1 else 1
+        cost.input_comm, cost.output_comm, cost.gradient_comm = latency, stages * latency, stages * latency
+    if ShardingType.DATA_PARALLEL in kinds:
+        cost.allreduce = latency
+    return cost
 
 
 def _tier_seconds(num_bytes: float, tier: str, topo: Topology, settings: PlanSettings) -> float:
@@ -244,22 +270,25 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
     cost.lookup_backward = _tier_seconds(ids * (piece_cols * 4 + 2 * row_bytes), tier, topo, settings)
     cost.lookup_backward += ids * topo.seconds_per_id  # calibrated per-id work (checks, sort, dedup)
     if kind == ShardingType.DATA_PARALLEL:
-        grad_bytes = piece_rows * piece_cols * 4
-        cost.allreduce = allreduce_seconds(grad_bytes, topo)
-        # dense update of every row: gradient, row and state read, row and state written
-        cost.optimizer = _tier_seconds(piece_rows * (piece_cols * 4 + 2 * row_bytes + state_io), tier, topo,
-                                       settings)
+        grad_bytes = piece_rows * (piece_cols + 1) * 4  # fp32 gradient + a look-up count per row
+        cost.allreduce = allreduce_seconds(grad_bytes, topo, latency=False)
+        # the rows some rank looked up (at most G * L) are updated: gradient, row and state read, row
+        # and state written; the counts are scanned and the whole buffer zeroed for the next step
+        touched = min(piece_rows, glob * table.pooling)
+        cost.optimizer = _tier_seconds(touched * (piece_cols * 4 + 2 * row_bytes + state_io), tier, topo, settings)
+        cost.optimizer += (grad_bytes + piece_rows * 4) / topo.device_bandwidth
     else:
         cost.optimizer = _tier_seconds(ids * state_io, tier, topo, settings) if state_io else 0.0
-        cost.input_comm = alltoall_seconds(ids * ID_BYTES + glob * ID_BYTES, topo)
-        pooled = glob * piece_cols * settings.comm_bytes
+        cost.input_comm = alltoall_seconds(ids * ID_BYTES + glob * ID_BYTES, topo, latency=False)
+        row_header = 8 if settings.comm_bytes == 1 else 0  # int8 rows carry their min and step (2 fp32)
+        pooled = glob * (piece_cols * settings.comm_bytes + row_header)
         if kind == ShardingType.TABLE_ROW_WISE and topo.num_nodes > 1:
             # reduce-scatter inside the node, then 1/R of the partial sums cross nodes
             intra = pooled * (per_node - 1) / per_node / topo.intra_node_bandwidth
             inter = pooled / per_node * (world - per_node) / world / topo.inter_node_bandwidth
-            cost.output_comm = intra + inter + 2 * topo.collective_latency
+            cost.output_comm = intra + inter
         else:
-            cost.output_comm = alltoall_seconds(pooled, topo)
+            cost.output_comm = alltoall_seconds(pooled, topo, latency=False)
         cost.gradient_comm = cost.output_comm
     memory = Memory()
     stored = piece_rows * (piece_cols * elem + state)
@@ -272,6 +301,8 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
         memory.device, memory.host = cached, stored
     else:
         memory.device, memory.ssd = cached, stored
-    if kind != ShardingType.DATA_PARALLEL:
+    if kind == ShardingType.DATA_PARALLEL:
+        memory.device += grad_bytes  # the gradient buffer all-reduced every step, kept between steps
+    else:
         memory.device += 2 * ((ids + glob) * ID_BYTES + glob * piece_cols * 4)  # double-buffered ids+lengths, outputs
     return cost, memory

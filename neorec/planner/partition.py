@@ -9,8 +9,9 @@ cost is as small as possible, under each rank's memory limits.
    it lands on, (work placed so far + its work + cheapest work left) / ranks), ties to less work.
    Ranks of an option: the least-loaded ranks with room ("any"), the best node's least-loaded
    ranks ("node": hierarchical TWRW / TWCW), or every rank ("all"). When that runs out of
-   memory, two memory-first passes follow (largest tables first on the least full ranks, by
-   smallest footprint, then by least fill).
+   memory, three memory-first passes follow, largest tables first: on the least full ranks by
+   smallest footprint, then by least fill, then best fit (smallest footprint on the fullest ranks
+   with room). Packing is NP-hard: when all four fail, the cluster is full or nearly so.
 2. Bound-guided packing: for targets T = bound x 1.00, 1.01, ... each table takes its least-work
    option with pieces <= T, packed largest piece first onto the least-loaded ranks; the best of
    these and the greedy start goes on to
@@ -135,17 +136,18 @@ class _State:
             self._orders[by_memory] = order
         return order
 
-    def place(self, option: ShardOption, by_memory: bool = False) -> Optional[Tuple[int, ...]]:
+    def place(self, option: ShardOption, by_memory: bool = False, fullest: bool = False) -> Optional[Tuple[int, ...]]:
         """The ranks this option would use now (None if it does not fit): the least loaded, or
-        with ``by_memory`` the least full; for a "node" option those of the node whose chosen
-        ranks peak lowest (the first such node)."""
+        with ``by_memory`` the least full (``fullest``: for an "any" option the fullest ranks with
+        room, best fit); for a "node" option those of the node whose chosen ranks peak lowest (the
+        first such node)."""
         k = option.num_pieces
         if option.placement == "all":
             return tuple(range(self.world)) if self.fits_all(option) else None
         order = self._order(by_memory)
         if option.placement == "any":
             chosen = []
-            for r in order:
+            for r in (reversed(order) if fullest else order):
                 if self.fits(r, option):
                     chosen.append(r)
                     if len(chosen) == k:
@@ -212,13 +214,13 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
     among options at least that preferred."""
     start = time.perf_counter()
     world = topo.world_size
-    try:
-        state, placements = _greedy(options, topo, capacity, "time")
-    except InfeasiblePlanError:
+    for goal in GREEDY_GOALS:
         try:
-            state, placements = _greedy(options, topo, capacity, "footprint")
+            state, placements = _greedy(options, topo, capacity, goal)
+            break
         except InfeasiblePlanError:
-            state, placements = _greedy(options, topo, capacity, "fill")
+            if goal == GREEDY_GOALS[-1]:
+                raise
     greedy = max(state.load)
     bound = lower_bound(options, world)
     best_loads, best_placements = max(state.load), dict(placements)
@@ -320,12 +322,17 @@ def _pack_to_target(options: Dict[str, List[ShardOption]], topo: Topology, capac
     return state, {n: placements[n] for n in options}
 
 
+GREEDY_GOALS = ("time", "footprint", "fill", "best_fit")
+
+
 def _greedy(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
             goal: str) -> Tuple[_State, Dict[str, Placement]]:
     """``goal`` "time": longest processing time first (see the module docstring). The fallbacks
-    when memory is tight place the largest tables first on the least full ranks: "footprint"
-    (best-fit decreasing) takes the option with the smallest total footprint (all pieces, all
-    tiers, buffers included), "fill" the option that leaves its fullest rank and tier least full."""
+    when memory is tight place the largest tables first: "footprint" takes the option with the
+    smallest total footprint (all pieces, all tiers, buffers included) on the least full ranks,
+    "fill" the option that leaves its fullest rank and tier least full, "best_fit" the smallest
+    footprint on the FULLEST ranks with room (best-fit decreasing: it keeps whole ranks free for
+    the large tables that the least-full passes scatter into gaps none of them fits)."""
     memory_first = goal != "time"
     state = _State(topo, capacity)
     world = state.world
@@ -344,21 +351,22 @@ def _greedy(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Cap
         peak = max(state.load)
         best = None
         for option in options[name]:
-            ranks = state.place(option, by_memory=memory_first)
+            ranks = state.place(option, by_memory=memory_first, fullest=goal == "best_fit")
             if ranks is None:
                 continue
             if memory_first:
                 fill = state.fullest_after(ranks, option)
                 footprint = (option.memory.device + option.memory.host + option.memory.ssd) * option.num_pieces
-                score = (footprint, fill, option.work) if goal == "footprint" else (round(fill, 3), option.work)
+                score = (round(fill, 3), option.work) if goal == "fill" else (footprint, fill, option.work)
             else:
                 projected = (placed_work + option.work + remaining) / world
                 score = (max(state.peak_after(ranks, option.piece_seconds, peak), projected), option.work)
             if best is None or score < best[0]:
                 best = (score, Placement(option, ranks))
         if best is None:
-            raise InfeasiblePlanError(f"table {name!r} does not fit after placing {len(placements)} other tables "
-                                      f"(the cluster is too full); tightest limit: {_tightest(state, options[name])}")
+            raise InfeasiblePlanError(f"table {name!r} does not fit after placing {len(placements)} other tables: "
+                                      f"none of the planner's packings found room for every table (the cluster is "
+                                      f"too full, or nearly so); tightest limit: {_tightest(state, options[name])}")
         placements[name] = best[1]
         state.apply(best[1], +1)
         placed_work += best[1].option.work

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-from neorec.planner.cost_model import Cost, Memory, PlanSettings, TableSpec
+from neorec.planner.cost_model import Cost, Memory, PlanSettings, TableSpec, collective_latencies
 from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, enumerate_options
 from neorec.planner.partition import PartitionResult, Placement, partition
 from neorec.planner.topology import Topology
@@ -43,23 +43,37 @@ class PlanResult:
     tables: List[TableSpec]
 
     @property
+    def latency(self) -> Cost:
+        """The fixed latency of the plan's collectives, paid once per step by every rank."""
+        return collective_latencies((p.option.sharding_type for p in self.placements.values()), self.topology)
+
+    @property
     def makespan(self) -> float:
-        return self.partition.makespan
+        """Seconds of the slowest rank: its pieces' work (what the partition balances) plus the
+        collectives' fixed latency."""
+        return self.partition.makespan + self.latency.total
 
     @property
     def lower_bound(self) -> float:
-        return self.partition.lower_bound
+        """The partition's bound on the slowest rank's work, plus this plan's fixed latency."""
+        return self.partition.lower_bound + self.latency.total
 
     @property
     def gap(self) -> float:
-        return self.partition.gap
+        if self.lower_bound <= 0:
+            return 0.0
+        return max(0.0, self.makespan / self.lower_bound - 1.0)  # bound <= makespan; clamp float rounding
 
     @property
     def tiers(self) -> Dict[str, str]:
         return {name: p.option.tier for name, p in self.placements.items()}
 
     def ranks(self) -> List[RankSummary]:
+        """Per rank: its pieces' costs and memory plus the collectives' fixed latency."""
+        latency = self.latency
         out = [RankSummary(r, Cost(), Memory(), 0) for r in range(self.topology.world_size)]
+        for summary in out:
+            summary.cost.add(latency)
         for p in self.placements.values():
             for r in p.ranks:
                 out[r].cost.add(p.option.cost)

@@ -57,11 +57,14 @@ def simulate(result: PlanResult, dense: DenseModel) -> Simulation:
     ranks = result.ranks()
     specs = {t.name: t for t in result.tables}
     ids_out = pooled_in = 0.0
+    row_header = 8 if settings.comm_bytes == 1 else 0  # int8 rows carry their min and step
     for name, placement in result.placements.items():
-        if placement.option.sharding_type == ShardingType.DATA_PARALLEL:
+        kind = placement.option.sharding_type
+        if kind == ShardingType.DATA_PARALLEL:
             continue
-        ids_out += batch * (specs[name].pooling + 1) * ID_BYTES
-        pooled_in += batch * specs[name].dim * settings.comm_bytes
+        copies = placement.option.num_pieces if kind.splits_columns else 1  # every column piece gets the ids
+        ids_out += copies * batch * (specs[name].pooling + 1) * ID_BYTES
+        pooled_in += batch * (specs[name].dim * settings.comm_bytes + copies * row_header)
     owner_input = alltoall_seconds(ids_out, topo)
     owner_output = alltoall_seconds(pooled_in, topo)
     dense_forward = dense.mflops_per_sample * 1e6 * batch / topo.compute_flops

@@ -48,8 +48,9 @@ def test_data_parallel_all_reduces_the_table_and_skips_the_alltoall():
     topo = toy_topology(1, 4)
     dp, memory = piece_cost(TABLE, ShardingType.DATA_PARALLEL, 4, "device", "fp32", topo, PlanSettings(batch_size=100))
     assert dp.input_comm == dp.output_comm == dp.gradient_comm == 0.0
-    assert dp.allreduce == pytest.approx(allreduce_seconds(1000 * 64 * 4, topo))
-    assert memory.device == 1000 * (64 * 4 + 4)  # the whole table + row-wise AdaGrad state, no buffers
+    gradient = 1000 * (64 + 1) * 4  # fp32 gradient + a look-up count per row, all-reduced, kept between steps
+    assert dp.allreduce == pytest.approx(allreduce_seconds(gradient, topo, latency=False))
+    assert memory.device == 1000 * (64 * 4 + 4) + gradient  # the table + row-wise AdaGrad state + the buffer
 
 
 def test_memory_by_precision_optimizer_and_tier():
@@ -117,7 +118,7 @@ def test_bytes_agree_with_the_collectives_byte_counts_of_bench_sharding():
     settings = PlanSettings(batch_size=1024)
     measured_mb = {  # kind: (input ids + lengths, output, replica all-reduce), summed over ranks
         ShardingType.TABLE_WISE: (0.197, 0.524, 0.0), ShardingType.ROW_WISE: (0.263, 1.049, 0.0),
-        ShardingType.COLUMN_WISE: (0.394, 0.524, 0.0), ShardingType.DATA_PARALLEL: (0.0, 0.0, 24.077)}
+        ShardingType.COLUMN_WISE: (0.394, 0.524, 0.0), ShardingType.DATA_PARALLEL: (0.0, 0.0, 25.582)}
     for kind, expected in measured_mb.items():
         pieces = 1 if kind == ShardingType.TABLE_WISE else 2
         totals = [0.0, 0.0, 0.0]
@@ -179,3 +180,55 @@ def test_batch_size_and_dense_model_are_checked():
                    {"num_parameters": None}):
         with pytest.raises(ValueError, match="dense model: .* must be a finite number >= 0"):
             DenseModel(**kwargs)
+
+
+def test_data_parallel_memory_is_what_training_holds():
+    """Training keeps an fp32 gradient (+ one count per row) of every replica table between steps;
+    the planner counted the table and its state only, half of what a rank holds."""
+    import torch
+
+    from neorec.embedding.config import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+    from neorec.sparse.jagged import KeyedJaggedTensor
+
+    rows, dim = 5000, 16
+    _, memory = piece_cost(TableSpec("t", rows, dim), ShardingType.DATA_PARALLEL, 2, "device", "fp32",
+                           toy_topology(1, 2), PlanSettings(batch_size=8))
+    tbe = TableBatchedEmbeddingBags([TableConfig("t", rows, dim)], SparseOptimizerConfig(kind="rowwise_adagrad"),
+                                    dense_gradient_tables=["t"], gradient_reducer=lambda grad: None)
+    kjt = KeyedJaggedTensor(tbe.feature_names, torch.randint(0, rows, (8,)), torch.ones(8, dtype=torch.long))
+    tbe(kjt).values.sum().backward()
+    held = sum(b.numel() * b.element_size() for b in tbe.buffers()) + tbe._replicas.grad.numel() * 4
+    assert memory.device == pytest.approx(held, rel=1e-3)
+
+
+def test_collective_latency_is_paid_once_per_step_not_once_per_table():
+    """Every table shares one input, one output and one gradient all-to-all (and one replica
+    all-reduce): 26 tables were charged 26 latencies each way, 10x the cost of one table with
+    the same bytes, which pushed plans toward fewer pieces."""
+    import dataclasses
+
+    from neorec.planner.planner import evaluate_plan
+    from neorec.sharding.plan import ShardingPlan, TablePlan, Shard
+
+    tables = [TableSpec(f"t{i}", 100, 8, 1.0) for i in range(26)]
+    fast = toy_topology(1, 2)
+    slow = dataclasses.replace(fast, collective_latency=1e-3)
+    settings = PlanSettings(batch_size=64)
+    table_wise = ShardingPlan({t.name: TablePlan(ShardingType.TABLE_WISE, [Shard(i % 2, 0, 100, 0, 8)])
+                               for i, t in enumerate(tables)}, 2)
+    replicated = ShardingPlan({t.name: TablePlan(ShardingType.DATA_PARALLEL, []) for t in tables}, 2)
+    for plan, expected in ((table_wise, (1e-3, 1e-3, 1e-3, 0.0)), (replicated, (0.0, 0.0, 0.0, 1e-3))):
+        base, more = (evaluate_plan(plan, tables, topo, settings) for topo in (fast, slow))
+        for a, b in zip(base.ranks(), more.ranks()):
+            extra = [getattr(b.cost, k) - getattr(a.cost, k)
+                     for k in ("input_comm", "output_comm", "gradient_comm", "allreduce")]
+            assert extra == pytest.approx(list(expected))
+        assert more.makespan - base.makespan == pytest.approx(sum(expected))
+
+
+def test_int8_communication_carries_each_rows_min_and_step():
+    topo = Topology("unit", 1, 2, 1e12, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0)  # 1 B/s: seconds are bytes
+    int8, _ = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "device", "fp32", topo, PlanSettings(batch_size=10,
+                                                                                                    comm_bytes=1))
+    assert int8.output_comm == pytest.approx(20 * (64 + 8) / 2)  # 20 global rows of 64 bytes + 8, half leave

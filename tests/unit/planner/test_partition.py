@@ -337,3 +337,18 @@ def test_relaxation_attempts_share_one_search_deadline(monkeypatch):
     plan_tables([TableSpec("a", 100, 8)], toy_topology(1, 2), PlanSettings(batch_size=8, precisions=("fp32", "fp16")),
                 time_limit=1.0)
     assert limits[0] <= 1.0 and limits[1] <= 0.75   # what the first attempt left, not 1 s again
+
+
+def test_tight_packings_that_least_full_placement_misses_are_found_by_best_fit():
+    """Seven tables filling 3 ranks to 92-97%: placing each on the least full rank leaves gaps no
+    remaining table fits, and the planner said "the cluster is too full" (or, with fp16 allowed,
+    stored a table in fp16); best-fit decreasing finds an all-fp32 packing."""
+    fractions = [0.6, 0.5, 0.35, 0.4, 0.2, 0.5, 0.35]
+    tables = [TableSpec(f"t{i}", int(f * 0.97e9 / 4 / 64), 64, 1.0) for i, f in enumerate(fractions)]
+    topo = toy_topology(1, 3, device_gb=1.0)
+    settings = PlanSettings(batch_size=1, sharding_types=("table_wise",), optimizer="sgd",
+                            device_reserve_fraction=0.0, precisions=("fp32", "fp16"))
+    result = plan_tables(tables, topo, settings, time_limit=1.0)
+    assert {p.option.precision for p in result.placements.values()} == {"fp32"}
+    capacity = Capacity.of(topo, result.settings).device
+    assert max(r.memory.device for r in result.ranks()) <= capacity * (1 + 1e-9)
