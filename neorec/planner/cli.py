@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import List
 
@@ -205,6 +206,31 @@ def _print_ranks(result, all_ranks: bool) -> None:
         print(f"({len(shown)} of {len(ranks)} ranks: the slowest and the fastest; --all-ranks prints all)")
 
 
+def training_topology(world_size: int, ranks_per_node: int, out=None):
+    """The topology ``--plan auto`` plans for: the local-cpu calibration when it exists, else
+    nominal CPU numbers. A calibration made for another number of ranks per node keeps the
+    machine's memory (each rank gets its share of the same memory; it used to keep the memory per
+    rank and overcommit the machine) and says that its bandwidths were measured for that number."""
+    import dataclasses
+
+    from neorec.planner.topology import Topology, default_calibration_path
+
+    path = default_calibration_path()
+    if not path.is_file():  # nominal: a few GB/s of lookups, sub-GB/s gloo over loopback (`neorec plan --calibrate`)
+        return Topology("local-cpu-nominal", world_size // ranks_per_node, ranks_per_node, 4e9, 3e9, 8e9, 3e9,
+                        0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6)
+    calibrated = Topology.load(path)
+    topo = calibrated.with_world(world_size, ranks_per_node)
+    measured = int(calibrated.ranks_per_node)
+    if measured != ranks_per_node:
+        topo = dataclasses.replace(topo, device_memory_bytes=calibrated.device_memory_bytes * measured / ranks_per_node)
+        print(f"planner: the calibration {path} was made for {measured} ranks per node, this run has "
+              f"{ranks_per_node}: memory per rank scaled to match, bandwidths as measured for {measured} "
+              f"(`neorec plan --calibrate --calibrate-ranks {ranks_per_node}` measures them)",
+              file=out if out is not None else sys.stderr, flush=True)
+    return topo
+
+
 def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     """``neorec train --plan auto``: plan the config's tables for the live world. Pooling factors
     come from the first training batch; the topology from the local-cpu calibration when it
@@ -212,7 +238,6 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     limit); training runs it on rank 0 and sends the plan to the others."""
     from neorec.planner.cost_model import PlanSettings, TableSpec
     from neorec.planner.planner import plan_tables
-    from neorec.planner.topology import Topology, default_calibration_path
 
     configs = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
     batch = next(iter(source.train_batches(cfg.data.batch_size, 0)))
@@ -221,12 +246,7 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     tables: List[TableSpec] = [
         TableSpec(t.name, t.num_embeddings, t.embedding_dim,
                   max(1e-3, sum(per_key.get(f, 0) for f in t.feature_names) / size)) for t in configs]
-    path = default_calibration_path()
-    if path.is_file():
-        topo = Topology.load(path).with_world(world_size, ranks_per_node)
-    else:  # nominal: a few GB/s of lookups, sub-GB/s gloo over loopback (run `neorec plan --calibrate`)
-        topo = Topology("local-cpu-nominal", world_size // ranks_per_node, ranks_per_node, 4e9, 3e9, 8e9, 3e9,
-                        0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6)
+    topo = training_topology(world_size, ranks_per_node)
     settings = PlanSettings(batch_size=cfg.data.batch_size, optimizer=cfg.embedding.optimizer.kind,
                             precisions=(cfg.embedding.storage.precision,), tiers=("device",),
                             device_reserve_fraction=0.0)

@@ -186,3 +186,23 @@ def test_calibration_out_directory_is_refused_before_measuring(tmp_path, capsys,
     monkeypatch.setattr(calibrate, "calibrate", no_measuring)
     assert main(["plan", "--calibrate", "--calibration-out", str(tmp_path)]) == 2
     assert re.search(r"--calibration-out .* is a directory; give a file name", capsys.readouterr().err)
+
+
+def test_plan_auto_with_a_calibration_for_other_ranks_keeps_the_machines_memory(tmp_path, monkeypatch):
+    """A calibration for 2 ranks gives each half the tables' memory; planning 8 ranks with it gave
+    each rank that half again (4x the machine) instead of an eighth."""
+    import io
+
+    from neorec.planner.cli import training_topology
+    from neorec.planner.topology import Topology
+
+    calibrated = Topology("local-cpu", 1, 2, 4e9, 5e9, 8e9, 5e9, 0.0, 0.0, 1e9, 1e9, 50e9, 1e-3)
+    calibrated.save(tmp_path / "calibration.json")
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(tmp_path / "calibration.json"))
+    out = io.StringIO()
+    topo = training_topology(8, 8, out=out)
+    assert (topo.world_size, topo.device_memory_bytes * 8) == (8, 2 * 4e9)
+    assert "made for 2 ranks per node, this run has 8" in out.getvalue()
+    assert "--calibrate-ranks 8" in out.getvalue()
+    out = io.StringIO()
+    assert training_topology(2, 2, out=out) == calibrated and out.getvalue() == ""
