@@ -181,7 +181,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.nproc is not None and args.nproc > 1:
         from neorec.train.launch import launch_local
 
-        cfg, _ = _config_and_plan(args, args.nproc)  # a mistake is said once, before N ranks start and each says it
+        cfg, _ = _config_and_plan(args, args.nproc, args.nproc)  # said once, before N ranks start and each says it
         cfg.data.check_inputs_exist()
         try:
             return launch_local(args.nproc, list(argv))
@@ -244,23 +244,32 @@ def _saved_checkpoint_hint(root: str) -> str:
     return f"its newest checkpoint is of step {step}: --resume {root} goes on from there"
 
 
-def _config_and_plan(args: argparse.Namespace, world: int):
-    """(config, plan) of a run of ``world`` processes: the plan file loaded and checked against the
-    world (``--plan auto`` and no plan stay as given)."""
+def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
+    """(config, plan) of a run of ``world`` processes, ``ranks_per_node`` on each node: the plan
+    file loaded and checked against the world and the config's table names (``--plan auto`` and no
+    plan stay as given; the ranks check the rest once they know the tables' sizes)."""
     from neorec.sharding import ShardingPlan
+    from neorec.sharding.validation import check_plan_nodes, check_plan_tables
 
     cfg = _train_config(args)
     plan = ShardingPlan.load(args.plan) if args.plan and args.plan != "auto" else args.plan
-    if isinstance(plan, ShardingPlan) and plan.world_size != world:
-        raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has {world} "
-                         f"ranks; make a plan for {world} ranks ({args.plan})")
+    if isinstance(plan, ShardingPlan):
+        try:
+            if plan.world_size != world:
+                raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has "
+                                 f"{world} ranks; make a plan for {world} ranks")
+            check_plan_nodes(plan, ranks_per_node)
+            check_plan_tables(plan, cfg.data.table_names())
+        except ValueError as exc:
+            raise ValueError(f"{exc} ({args.plan})") from None
     return cfg, plan
 
 
 def _train_distributed(args: argparse.Namespace) -> int:
     from neorec.train.distributed import DistributedContext
 
-    cfg, plan = _config_and_plan(args, int(os.environ["WORLD_SIZE"]))  # before joining
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, plan = _config_and_plan(args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # before joining
     context = DistributedContext.from_env(cfg.train.device)
     try:
         result = _fit_distributed(cfg, context, plan, args.resume)  # the model is gone before the groups close

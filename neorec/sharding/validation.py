@@ -24,15 +24,34 @@ def validate_plan(plan: ShardingPlan, tables: Sequence[TableConfig], world_size:
     if per_node < 1 or world_size % per_node != 0:
         raise ValueError(f"sharding plan: ranks_per_node must be >= 1 and divide world_size {world_size}, "
                          f"got {per_node}")
-    by_name = {t.name: t for t in tables}
-    unknown = sorted(set(plan.tables) - set(by_name))
-    if unknown:
-        raise ValueError(f"sharding plan: unknown tables {unknown}; the model's tables are {sorted(by_name)}")
-    uncovered = [t.name for t in tables if t.name not in plan.tables]
-    if uncovered:
-        raise ValueError(f"sharding plan: tables {uncovered} are not covered; every table needs an entry")
+    check_plan_tables(plan, [t.name for t in tables])
     for table in tables:
         _validate_table(table, plan.tables[table.name], plan, world_size)
+
+
+def check_plan_tables(plan: ShardingPlan, names: Sequence[str]) -> None:
+    """The plan has one entry per table of ``names`` and no other (``validate_plan`` checks the
+    rest; this part needs the table names only, known from the config before any data is read)."""
+    unknown = sorted(set(plan.tables) - set(names))
+    if unknown:
+        raise ValueError(f"sharding plan: unknown tables {unknown}; the model's tables are {sorted(names)}")
+    uncovered = [name for name in names if name not in plan.tables]
+    if uncovered:
+        raise ValueError(f"sharding plan: tables {uncovered} are not covered; every table needs an entry")
+
+
+def check_plan_nodes(plan: ShardingPlan, ranks_per_node: int) -> None:
+    """The pieces of each node-local table (table-row-wise, table-column-wise) stay on one node of
+    the live world, ``ranks_per_node`` ranks per node (a plan made for larger nodes would spread
+    them over several)."""
+    spread = sorted(name for name, entry in plan.tables.items()
+                    if entry.sharding_type in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+                    and len({s.rank // ranks_per_node for s in entry.shards}) > 1)
+    if spread:
+        more = f" and {len(spread) - 5} more" if len(spread) > 5 else ""
+        raise ValueError(f"sharding plan: written for {plan.ranks_per_node} ranks per node, but this world has "
+                         f"{ranks_per_node}: the pieces of its node-local tables {spread[:5]}{more} would be on "
+                         f"several nodes; make a plan for {ranks_per_node} ranks per node")
 
 
 def _validate_table(table: TableConfig, entry: TablePlan, plan: ShardingPlan, world_size: int) -> None:

@@ -147,6 +147,39 @@ def test_nproc_stopped_by_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path, m
     assert "no checkpoints (set checkpoint.dir to be able to resume)" in capsys.readouterr().err
 
 
+def test_plans_for_other_tables_or_larger_nodes_are_refused_before_ranks_start(tmp_path, monkeypatch, capsys):
+    """A plan for another model's tables was refused by each rank after start-up (~24 s, one line per
+    rank); one made for 4 ranks per node ran on 2-rank nodes with its node-local pieces on two."""
+    import neorec.train.launch as launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    plan = json.loads((ROOT / "configs" / "tiny_plan_2ranks.json").read_text())
+    plan["tables"]["t_other"] = plan["tables"].pop("t_feature_0")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(plan))
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sharding plan: unknown tables ['t_other']" in err and str(wrong) in err, err
+
+    rows = 2000  # t_feature_2, row-wise inside one node of 4 ranks
+    plan = json.loads((ROOT / "configs" / "tiny_plan_2ranks.json").read_text())
+    plan.update(world_size=4, ranks_per_node=4)
+    plan["tables"]["t_feature_2"] = {"sharding_type": "table_row_wise", "shards": [
+        {"rank": r, "row_start": r * rows // 4, "row_end": (r + 1) * rows // 4, "col_start": 0, "col_end": 8}
+        for r in range(4)]}
+    one_node = tmp_path / "one_node.json"
+    one_node.write_text(json.dumps(plan))
+    for key, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x").items():
+        monkeypatch.setenv(key, value)  # torchrun, 2 nodes of 2: refused before joining the world
+    assert main(["train", "--config", str(TINY), "--plan", str(one_node)]) == 2
+    err = capsys.readouterr().err
+    assert "written for 4 ranks per node, but this world has 2: the pieces of its node-local tables " \
+           "['t_feature_2'] would be on several nodes" in err, err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
