@@ -11,6 +11,19 @@ import tempfile
 from pathlib import Path
 
 
+MISSING = ("the per-rank chart needs matplotlib: pip install 'matplotlib>=3.7' (or the neorec[plot] extra), "
+           "or leave out --chart")
+
+
+def check_matplotlib() -> None:
+    """Raise the ValueError ``write_load_chart`` would, without importing matplotlib (the CLI asks
+    before its search, not after it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(MISSING)
+
+
 def write_load_chart(result, path: str | Path) -> None:
     try:
         import matplotlib
@@ -18,8 +31,7 @@ def write_load_chart(result, path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("the per-rank chart needs matplotlib: pip install 'matplotlib>=3.7' "
-                         "(or the neorec[plot] extra), or leave out --chart") from None
+        raise ValueError(MISSING) from None
     ranks = result.ranks()
     x = [r.rank for r in ranks]
     parts = [("lookups + optimizer", [r.cost.compute * 1e3 for r in ranks]),

@@ -113,6 +113,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         target = getattr(args, flag)
         if target and Path(target).is_dir():
             raise ValueError(f"plan: --{flag} {target} is a directory; give a file name")
+    if args.chart:
+        from neorec.planner.chart import check_matplotlib
+
+        check_matplotlib()
     if args.model:
         preset = get_model_preset(args.model)
         tables, settings, dense = preset.tables, preset.settings, preset.dense

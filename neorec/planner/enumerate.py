@@ -109,7 +109,7 @@ def _layouts(table: TableSpec, topo: Topology, allowed: Tuple[str, ...]) -> List
         out.append((ShardingType.TABLE_ROW_WISE, per_node, "node"))
     k = 2
     while k <= world and table.dim // k >= MIN_COLUMN_WIDTH and table.dim % k == 0:
-        if ShardingType.COLUMN_WISE in types and k <= 8:
+        if ShardingType.COLUMN_WISE in types:  # at most settings.max_column_pieces: filtered by the caller
             out.append((ShardingType.COLUMN_WISE, k, "any"))
         if ShardingType.TABLE_COLUMN_WISE in types and nodes > 1 and k <= per_node:
             out.append((ShardingType.TABLE_COLUMN_WISE, k, "node"))

@@ -82,6 +82,8 @@ class Topology:
         return rank // int(self.ranks_per_node)
 
     def with_nodes(self, num_nodes: int) -> "Topology":
+        if int(num_nodes) < 1:
+            raise ValueError(f"topology {self.name!r}: the number of nodes must be >= 1, got {num_nodes}")
         return dataclasses.replace(self, num_nodes=int(num_nodes))
 
     def with_world(self, world_size: int, ranks_per_node: Optional[int] = None) -> "Topology":
@@ -189,4 +191,4 @@ def get_topology(name: str, num_nodes: Optional[int] = None) -> Topology:
         topo = local_cpu()
     else:
         raise ValueError(f"unknown topology {name!r}; allowed: {list(PRESETS)} or a FILE.json")
-    return topo.with_nodes(num_nodes) if num_nodes else topo
+    return topo.with_nodes(num_nodes) if num_nodes is not None else topo

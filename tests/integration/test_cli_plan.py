@@ -206,3 +206,34 @@ def test_plan_auto_with_a_calibration_for_other_ranks_keeps_the_machines_memory(
     assert "--calibrate-ranks 8" in out.getvalue()
     out = io.StringIO()
     assert training_topology(2, 2, out=out) == calibrated and out.getvalue() == ""
+
+
+def test_chart_without_matplotlib_is_refused_before_the_search(tmp_path, monkeypatch, capsys):
+    """The missing library was reported after a 10-25 s search, with nothing written."""
+    import importlib.util
+
+    import neorec.planner.planner as planner
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(planner, "plan_tables", no_search)
+    rc = main(["plan", "--model", "dlrm-criteo-kaggle", "--chart", str(tmp_path / "load.png")])
+    assert rc == 2 and "the per-rank chart needs matplotlib" in capsys.readouterr().err
+
+
+def test_zero_nodes_and_more_than_eight_column_pieces():
+    from neorec.planner.cost_model import PlanSettings, TableSpec
+    from neorec.planner.enumerate import Capacity, enumerate_options
+    from neorec.planner.topology import get_topology
+
+    with pytest.raises(ValueError, match="number of nodes must be >= 1, got 0"):
+        get_topology("zionex", 0)  # was the preset's 16 nodes
+    topo = get_topology("zionex", 2)
+    settings = PlanSettings(sharding_types=("column_wise",), max_column_pieces=16)
+    pieces = {o.num_pieces for o in enumerate_options(TableSpec("t", 1000, 128), topo, settings,
+                                                       Capacity.of(topo, settings))}
+    assert 16 in pieces  # max_column_pieces above 8 was capped at 8 without a word
