@@ -12,8 +12,11 @@ One checkpoint = ``<dir>/step-<N>/``:
     dense.pt      (rank 0) dense weights, dense optimizer tensors, the torch CPU generator state
     manifest.json (rank 0, written LAST, atomically) step, data position, tables, plan, config,
                   pieces per file, sha256 and size of every file, the chain of checkpoints to apply
+                  and the sha256 of each base's manifest; a sha256 of the manifest itself
 A checkpoint is complete when its manifest, every file of it and every checkpoint of its chain
-verify. Restoring from a root takes the newest complete one (a newer torn or corrupt one is
+verify. The last entry of the chain is the checkpoint's own folder, whatever it is called (a full
+checkpoint can be copied anywhere under any name); its bases are found by name beside it and must
+be the very checkpoints it was saved on (their manifests' sha256). Restoring from a root takes the newest complete one (a newer torn or corrupt one is
 reported and skipped); restoring from one named ``step-<N>`` takes that one or stops.
 
 Incremental (``checkpoint.incremental``): the fused modules mark the rows every optimizer step
@@ -28,6 +31,7 @@ Data position: (epoch, global batches done in the epoch); the sources are determ
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -60,6 +64,16 @@ def _step_of(path: Path) -> Optional[int]:
     return None
 
 
+MANIFEST_KEYS = ("step", "kind", "chain", "epoch", "batch_in_epoch", "global_batch_size", "world_size", "row_bits",
+                 "plan", "tables", "sparse_optimizer", "sparse_step", "pieces", "dense_optimizer", "files")
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content (without its own digest), in a canonical JSON form."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _read_manifest(path: Path) -> dict:
     file = path / MANIFEST
     if not file.is_file():
@@ -70,7 +84,32 @@ def _read_manifest(path: Path) -> dict:
         raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"manifest.json is not a {FORMAT} manifest")
+    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
+        raise ValueError("manifest.json fails its sha256 checksum (corrupt)")  # (older manifests have none)
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing or not isinstance(manifest["chain"], list) or not manifest["chain"]:
+        raise ValueError(f"manifest.json lacks {', '.join(missing) or 'a chain'} (corrupt)")
     return manifest
+
+
+def _chain_parts(path: Path, manifest: dict) -> List[Tuple[str, Path, dict]]:
+    """(name, folder, manifest) of every checkpoint of ``path``'s chain, base first: the last is
+    ``path`` itself whatever its folder is called, the bases are found by name beside it and must
+    be the checkpoints it was saved on (the sha256 of their manifests, when it recorded them)."""
+    parts = []
+    bases = manifest.get("bases", {})
+    for name in manifest["chain"][:-1]:
+        directory = path.parent / name
+        try:
+            part = _read_manifest(directory)
+        except ValueError as exc:
+            raise ValueError(f"its base checkpoint {name}: {exc}") from None
+        if name in bases and bases[name] != part.get("manifest_sha256"):
+            raise ValueError(f"its base checkpoint {directory} is not the one it was saved on (another run's, or "
+                             f"saved again since); an incremental checkpoint needs its own bases beside it")
+        parts.append((name, directory, part))
+    parts.append((manifest["chain"][-1], path, manifest))
+    return parts
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -78,12 +117,7 @@ def verify_checkpoint(path: Path) -> dict:
     chain (every file present, same size, same sha256); ValueError saying what is wrong."""
     path = Path(path)
     manifest = _read_manifest(path)
-    for name in manifest["chain"]:
-        directory = path.parent / name
-        try:
-            part = manifest if name == path.name else _read_manifest(directory)
-        except ValueError as exc:
-            raise ValueError(f"its base checkpoint {name}: {exc}") from None
+    for name, directory, part in _chain_parts(path, manifest):
         for file, info in part["files"].items():
             target = directory / file
             if not target.is_file():
@@ -304,6 +338,10 @@ class Checkpointer:
                 "bytes": {"embeddings": embedding_bytes, "dense": dense_size},
                 "config": trainer.cfg.to_dict(),
             }
+            if kind != "full":  # the bases it is saved on, by their manifests' digests
+                manifest["bases"] = {name: _read_manifest(path.parent / name).get("manifest_sha256")
+                                     for name in chain[:-1]}
+            manifest["manifest_sha256"] = _manifest_digest(manifest)
             write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
             self._prune(step)
         self._barrier()
@@ -387,14 +425,13 @@ class Checkpointer:
                              f"number of the new global batches of {global_batch} (data.batch_size x ranks){hint}")
         chain = []
         cache: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
-        for name in manifest["chain"]:
-            part = manifest if name == path.name else _read_manifest(path.parent / name)
-            entries = [dict(e, file=f, checkpoint=name) for f, es in part["pieces"].items() for e in es]
+        for name, directory, part in _chain_parts(path, manifest):
+            entries = [dict(e, file=f, checkpoint=str(directory)) for f, es in part["pieces"].items() for e in es]
 
             def tensors_of(entry: dict) -> Dict[str, torch.Tensor]:
                 key = (entry["checkpoint"], entry["file"])
                 if key not in cache:
-                    cache[key] = load_tensors(path.parent / key[0] / key[1])
+                    cache[key] = load_tensors(Path(key[0]) / key[1])
                 return cache[key]
             chain.append((entries, tensors_of))
         restore_pieces(self.tbe, self.pieces, chain)

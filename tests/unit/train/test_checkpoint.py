@@ -206,6 +206,52 @@ def test_resume_from_a_corrupt_increment_falls_back(tmp_path):
     assert trainer.step == 2 and "using the previous complete one" in out.getvalue()
 
 
+def test_a_flipped_bit_or_a_missing_key_in_a_manifest_is_corruption(tmp_path):
+    """The manifest holds the data position and the pieces; its own bytes had no checksum: one
+    flipped bit (batch_in_epoch 5 -> 7) resumed two batches later, silently skipping them."""
+    make_trainer(tmp_path, "train.max_steps=5", *checkpoint_args(tmp_path, 5)).fit()
+    path = tmp_path / "ckpt" / "step-000000005"
+    good = (path / "manifest.json").read_text()
+    assert '"batch_in_epoch": 5' in good
+    (path / "manifest.json").write_text(good.replace('"batch_in_epoch": 5', '"batch_in_epoch": 7'))
+    with pytest.raises(ValueError, match="manifest.json fails its sha256 checksum"):
+        verify_checkpoint(path)
+    with pytest.raises(ValueError, match=r"--resume: .*step-000000005 is incomplete or corrupt \(manifest.json fails"):
+        make_trainer(tmp_path, resume=str(path), name="flipped").fit()
+    manifest = json.loads(good)
+    del manifest["tables"], manifest["manifest_sha256"]  # hand-edited, or written by a buggy tool
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"incomplete or corrupt \(manifest.json lacks tables \(corrupt\)\)"):
+        make_trainer(tmp_path, resume=str(path), name="missing").fit()
+
+
+def test_a_full_checkpoint_restores_under_any_folder_name_and_bases_must_be_its_own(tmp_path):
+    """A full checkpoint copied to archive/best was refused (its chain named step-000000004, looked
+    up beside it), or, next to another run's step-000000004, restored that run's embeddings."""
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 4)).fit()
+    make_trainer(tmp_path, "train.max_steps=4", "train.seed=7", f"checkpoint.dir='{tmp_path / 'other'}'",
+                 "checkpoint.every_steps=4", name="other").fit()
+    archive = tmp_path / "archive"
+    shutil.copytree(tmp_path / "ckpt" / "step-000000004", archive / "best")
+    shutil.copytree(tmp_path / "other" / "step-000000004", archive / "step-000000004")  # another run's
+    best = make_trainer(tmp_path, "train.max_steps=4", resume=str(archive / "best"), name="best")
+    best.fit()
+    own = make_trainer(tmp_path, "train.max_steps=4", resume=str(tmp_path / "ckpt"), name="own")
+    own.fit()
+    assert_identical(snapshot(own), snapshot(best))
+    # an increment finds its bases by name beside it: they must be the ones it was saved on
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
+    root = tmp_path / "inc"
+    make_trainer(tmp_path, "train.max_steps=4", f"checkpoint.dir='{root}'", "checkpoint.every_steps=2", *extra,
+                 name="inc").fit()
+    assert json.loads((root / "step-000000004" / "manifest.json").read_text())["kind"] == "incremental"
+    verify_checkpoint(root / "step-000000004")
+    shutil.rmtree(root / "step-000000002")
+    shutil.copytree(tmp_path / "other" / "step-000000004", root / "step-000000002")  # a stranger in its place
+    with pytest.raises(ValueError, match="its base checkpoint .*step-000000002 is not the one it was saved on"):
+        verify_checkpoint(root / "step-000000004")
+
+
 def test_tensor_files_are_not_unpickled(tmp_path):
     import pickle
 
