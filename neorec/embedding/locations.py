@@ -148,8 +148,18 @@ class LocationConfig:
         if self.min_rows < 0:
             raise ValueError(f"{where}.min_rows must be >= 0, got {self.min_rows}")
 
-    def any_off_device(self) -> bool:
-        return self.default != "device" or any(kind != "device" for kind in self.tables.values())
+    def kind_of(self, table: TableConfig) -> str:
+        """Where ``table`` goes: its entry in ``tables``, else ``default`` when it has at least
+        ``min_rows`` rows, else the device."""
+        kind = self.tables.get(table.name)
+        if kind is None:
+            kind = self.default if table.num_embeddings >= self.min_rows else "device"
+        return kind
+
+    def any_off_device(self, tables: Sequence[TableConfig]) -> bool:
+        """Whether any of ``tables`` goes elsewhere than the device (``min_rows`` may keep every
+        table of a model on the device whatever ``default`` says)."""
+        return any(self.kind_of(table) != "device" for table in tables)
 
     def check_table_names(self, names: Sequence[str]) -> None:
         """Every table this config names (``self.tables``) is one of ``names``; else ValueError."""
@@ -165,9 +175,7 @@ class LocationConfig:
         directory = Path(self.ssd_dir or ssd_dir or "embedding_ssd")
         out: Dict[str, TableLocation] = {}
         for table in tables:
-            kind = self.tables.get(table.name)
-            if kind is None:
-                kind = self.default if table.num_embeddings >= self.min_rows else "device"
+            kind = self.kind_of(table)
             out[table.name] = TableLocation(
                 kind=kind, cache_rows=self.cache_rows, cache_fraction=self.cache_fraction, ways=self.ways,
                 policy=self.policy, precision=self.precision, stochastic_rounding=self.stochastic_rounding,

@@ -75,7 +75,7 @@ def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
     """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``."""
     torch.manual_seed(cfg.train.seed)
     tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
-    if cfg.embedding.location.any_off_device():  # some tables in DRAM or behind a cache
+    if cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
         ssd_dir = str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else None
         collection = CachedEmbeddingBagCollection(
             tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=cfg.train.seed,
@@ -203,9 +203,11 @@ class Trainer:
             torch.set_num_threads(threads_per_rank(distributed.local_world_size))
         self.device = distributed.device if distributed else resolve_device(cfg.train.device)
         self.source = source if source is not None else make_data_source(cfg.data)
-        if distributed is not None and cfg.embedding.location.any_off_device():
+        off_device = cfg.embedding.location.any_off_device(self.source.tables(cfg.model.embedding_dim,
+                                                                               cfg.model.pooling))
+        if distributed is not None and off_device:
             raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
-        if (cfg.checkpoint.dir or resume is not None) and cfg.embedding.location.any_off_device():
+        if (cfg.checkpoint.dir or resume is not None) and off_device:
             # refused before build_model, which replaces the SSD stores: their rows are the only copy
             raise ValueError(OFF_DEVICE_CHECKPOINTS)
         self.model = build_model(cfg, self.source, self.device)

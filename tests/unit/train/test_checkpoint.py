@@ -430,6 +430,19 @@ def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-000000005", "step-000000006"]
 
 
+def test_checkpoints_are_taken_when_min_rows_keeps_every_table_on_the_device(tmp_path):
+    """default = cached_ssd with min_rows above every table's size places nothing off the device,
+    yet checkpoints were refused as "of cached tables" (and an empty cached collection was built)."""
+    from neorec.embedding import EmbeddingBagCollection
+
+    settings = ["embedding.location.default='cached_ssd'", "embedding.location.min_rows=100000",
+                *checkpoint_args(tmp_path, 3)]
+    trainer = make_trainer(tmp_path, *settings, "train.max_steps=3")
+    trainer.fit()
+    assert type(trainer.model.sparse_arch) is EmbeddingBagCollection
+    verify_checkpoint(tmp_path / "ckpt" / "step-000000003")
+
+
 def test_checkpoints_of_cached_tables_are_refused_before_their_ssd_stores_are_touched(tmp_path):
     """Checkpoints do not cover cached tables yet, so their SSD stores hold the only copy of the
     trained rows: a run asking for checkpoints (or --resume) is refused before it builds the model,
