@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from neorec.train.checkpoint_config import CheckpointConfig
 from neorec.files import write_atomic
-from neorec.train.checkpoint_files import load_tensors, save_tensors, sha256_file
+from neorec.train.checkpoint_files import UnquantizableRowError, load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import count_modified, model_pieces, piece_bytes, restore_pieces, save_pieces
 
 FORMAT = "neorec-checkpoint-1"
@@ -289,12 +289,13 @@ class Checkpointer:
         that cannot be written (a full disk, say) stops the run with ``CheckpointWriteError``."""
         try:
             return self._save()
-        except OSError as exc:
+        except (OSError, UnquantizableRowError) as exc:
             step, last = self.trainer.step, self.last_saved_step
             where = (f"its last complete checkpoint is of step {last}: --resume {self.root} goes on from there"
                      if last is not None else "no checkpoint of it is complete yet")
-            raise CheckpointWriteError(f"could not write the checkpoint of step {step} in {self.root} "
-                                       f"({exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}); "
+            reason = (f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}"
+                      if isinstance(exc, OSError) else str(exc))
+            raise CheckpointWriteError(f"could not write the checkpoint of step {step} in {self.root} ({reason}); "
                                        f"training stopped; {where}") from exc
 
     def _save(self) -> Path:
@@ -494,6 +495,10 @@ def _check_compatible(manifest: dict, trainer, path: Path) -> None:
     if manifest["sparse_optimizer"] != trainer.cfg.embedding.optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
                          f"the config {trainer.cfg.embedding.optimizer.kind!r}")
+    saved_pooling = manifest.get("config", {}).get("model", {}).get("pooling")
+    if saved_pooling is not None and saved_pooling != trainer.cfg.model.pooling:  # same shapes, another model
+        raise ValueError(f"resume from {path}: checkpoint was trained with model.pooling = {saved_pooling!r}, the "
+                         f"config has {trainer.cfg.model.pooling!r} (set model.pooling = {saved_pooling!r})")
     saved_dense = manifest.get("config", {}).get("dense_optimizer", {}).get("kind")
     if saved_dense is not None and saved_dense != trainer.cfg.dense_optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has dense optimizer {saved_dense!r}, the config "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,16 @@ def check_row_bits(bits: int, where: str = "checkpoint.row_bits") -> None:
         raise ValueError(f"{where} must be one of {ROW_BITS} (32 = no quantization), got {bits!r}")
 
 
+class UnquantizableRowError(ValueError):
+    """A row holding NaN or inf (or values spanning more than the fp32 range) cannot be quantized."""
+
+    def __init__(self, row: int, bits: int, table: Optional[str] = None) -> None:
+        where = f"table {table!r} row {row}" if table is not None else f"quantize_rows: row {row}"
+        super().__init__(f"{where} holds NaN or inf, or values spanning more than the fp32 range; it cannot be "
+                         f"stored in {bits} bits (save this table's rows unquantized)")
+        self.row, self.bits = row, bits
+
+
 def quantize_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, C] -> (codes uint8 [R, ceil(C * bits / 8)], scale fp32 [R], minimum fp32 [R])."""
     check_row_bits(bits)
@@ -80,8 +90,7 @@ def quantize_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tenso
         scale = (x.amax(dim=1) - minimum) / levels
         if not bool(torch.isfinite(scale).all()):
             row = int((~torch.isfinite(scale)).nonzero()[0])
-            raise ValueError(f"quantize_rows: row {row} holds NaN or inf, or values spanning more than the fp32 "
-                             f"range; it cannot be stored in {bits} bits (save this table's rows unquantized)")
+            raise UnquantizableRowError(row, bits)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round((x - minimum[:, None]) / safe[:, None]).clamp_(0, levels).to(torch.uint8)
     per_byte = 8 // bits

@@ -27,7 +27,7 @@ import torch
 
 from neorec.embedding.optimizers import STATE_LAYOUT
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
-from neorec.train.checkpoint_files import dequantize_rows, quantize_rows
+from neorec.train.checkpoint_files import UnquantizableRowError, dequantize_rows, quantize_rows
 
 OFF_DEVICE_CHECKPOINTS = ("checkpoints of cached / off-device embedding tables (embedding.location) are not "
                           "supported yet; train with every table on the device to use [checkpoint] or --resume")
@@ -107,7 +107,11 @@ def save_pieces(tbe: Optional[TableBatchedEmbeddingBags], pieces: List[LocalPiec
         if row_bits == 32:
             tensors[f"{key}.w"] = weight
         else:
-            tensors[f"{key}.q"], tensors[f"{key}.scale"], tensors[f"{key}.min"] = quantize_rows(weight, row_bits)
+            try:
+                tensors[f"{key}.q"], tensors[f"{key}.scale"], tensors[f"{key}.min"] = quantize_rows(weight, row_bits)
+            except UnquantizableRowError as exc:
+                row = piece.row_start + (int(ids[exc.row]) if incremental else exc.row)
+                raise UnquantizableRowError(row, row_bits, piece.table) from None
         for name, value in state.items():
             tensors[f"{key}.s.{name}"] = value
         entries.append({"table": piece.table, "key": key, "rows": [piece.row_start, piece.row_end],

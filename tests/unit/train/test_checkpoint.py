@@ -331,6 +331,7 @@ def test_a_run_started_with_resume_comes_back_from_its_own_checkpoints_after_a_r
     ("model.over_layers=[16, 8]", "dense weights do not fit the model"),
     ("dense_optimizer.kind='sgd'", "checkpoint has dense optimizer 'adagrad', the config 'sgd'"),
     ("embedding.optimizer.kind='sgd'", "checkpoint has sparse optimizer 'rowwise_adagrad', the config 'sgd'"),
+    ("model.pooling='mean'", r"trained with model.pooling = 'sum', the config has 'mean' \(set model.pooling"),
 ])
 def test_resume_into_a_different_model_is_refused_with_the_reason(tmp_path, change, message):
     make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2)).fit()
@@ -428,6 +429,31 @@ def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
     assert rewound.step == 5 and "step-000000006 is incomplete or corrupt" in rewound.out.getvalue()
     # keep_last=1 among this run's own: step 4 (resumed from) pruned, step 5 kept; the corrupt 6 left alone
     assert sorted(p.name for p in root.iterdir()) == ["step-000000005", "step-000000006"]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_row_that_cannot_be_quantized_stops_the_run_naming_table_row_and_resume_point(tmp_path, incremental):
+    """It raised quantize_rows' bare ValueError (the usage exit code 2), with the row's index in
+    the saved subset, no table, no step, no checkpoint to go on from."""
+    from neorec.train.checkpoint import CheckpointWriteError
+
+    extra = ["checkpoint.row_bits=8", f"checkpoint.incremental={'true' if incremental else 'false'}",
+             "checkpoint.full_when_fraction_exceeds=100.0"]
+    trainer = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, *extra))
+    trainer.fit()
+    tbe = trainer.model.sparse_arch.tbe
+    weight = tbe.get_table_weight("t_feature_2")
+    weight[150] = float("inf")
+    tbe.set_table_weight("t_feature_2", weight)
+    if incremental:  # rows 10 and 150 changed since step 2: the bad row is the second one written
+        start = tbe.table_row_offsets[tbe._table("t_feature_2")]
+        tbe.modified_rows.zero_()
+        tbe.modified_rows[start + 10] = tbe.modified_rows[start + 150] = True
+    trainer.step = 3
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 3 .*table 't_feature_2' row 150 holds NaN "
+                       r"or inf.*its last complete checkpoint is of step 2") as caught:
+        trainer.checkpointer.save()
+    assert caught.value.exit_code == 1
 
 
 def test_checkpoints_are_taken_when_min_rows_keeps_every_table_on_the_device(tmp_path):
