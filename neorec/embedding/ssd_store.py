@@ -158,6 +158,9 @@ class SsdRowStore(RowStore):
         if meta.get("format_name") != _FORMAT or meta.get("version") != _VERSION:
             raise ValueError(f"row store {str(path)!r}: unknown format {meta.get('format_name')!r} "
                              f"version {meta.get('version')!r}; expected {_FORMAT!r} version {_VERSION}")
+        missing = [key for key in ("format", "num_rows", "stochastic_rounding", "seed", "clean") if key not in meta]
+        if missing:
+            raise ValueError(f"row store {str(path)!r}: meta.json lacks {', '.join(missing)} (damaged or edited)")
         if not meta["clean"] and not allow_unclean:
             raise ValueError(f"row store {str(path)!r} was written after its last flush (crash or missing "
                              f"close()); its rows may mix old and new values. Pass allow_unclean=True to open it anyway")

@@ -241,6 +241,12 @@ def test_errors(tmp_path):
     assert SsdRowStore.open(tmp_path / "t").num_rows == 20
     with pytest.raises(ValueError, match="no meta.json"):
         SsdRowStore.open(tmp_path)
+    meta_path = tmp_path / "t" / "meta.json"
+    meta = meta_path.read_text()
+    meta_path.write_text(json.dumps({k: v for k, v in json.loads(meta).items() if k != "clean"}))
+    with pytest.raises(ValueError, match="meta.json lacks clean"):  # was KeyError: 'clean'
+        SsdRowStore.open(tmp_path / "t")
+    meta_path.write_text(meta)
     with open(tmp_path / "t" / "rows.bin", "r+b") as f:
         f.truncate(7)
     with pytest.raises(ValueError, match="rows.bin holds 7 bytes"):
