@@ -116,6 +116,9 @@ class DenseOptimizerConfig:
         for name in ("eps", "weight_decay"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"dense_optimizer.{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.kind != "sgd" and self.eps == 0:
+            raise ValueError(f"dense_optimizer.eps must be > 0 for {self.kind}: a weight whose gradient is 0 (a "
+                             f"unit that never fires) would be updated by 0 / 0 = NaN")
 
 
 @dataclass
@@ -268,11 +271,17 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config key {where!r} must be an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:  # torch and numpy take 64-bit integers
+            raise ValueError(f"config key {where!r} must fit in 64 bits (|value| < 2**63), got {value}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config key {where!r} must be a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"config key {where!r} must be a number within the float range, got an "
+                             f"integer of {len(str(abs(value)))} digits") from None
     if tp is str:
         if not isinstance(value, str):
             raise _NotAString(f"config key {where!r} must be a string, got {value!r}", where)
@@ -356,10 +365,24 @@ def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
         if not isinstance(child, dict):
             raise ValueError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
         node = child
-    if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+    if isinstance(value, dict) and isinstance(node.get(path[-1]), dict) and _is_section(path):
         _merge(node[path[-1]], value)  # --set train={max_steps=5}: the section's other keys stay
-    else:
+    else:  # a value, or a key that holds a table (embedding.location.tables={}): replaced
         node[path[-1]] = value
+
+
+def _is_section(path: List[str]) -> bool:
+    """Whether ``path`` names a config section (a dataclass), not a key, such as
+    ``embedding.location.tables``, whose value is a table."""
+    tp: Any = Config
+    for part in path:
+        if not dataclasses.is_dataclass(tp):
+            return False
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            return True  # unknown: merged, and the unknown key refused by _build
+        tp = hints[part]
+    return dataclasses.is_dataclass(tp)
 
 
 def _merge(into: Dict[str, Any], values: Dict[str, Any]) -> None:

@@ -5,11 +5,13 @@ Each dataclass checks its own values in ``__post_init__`` and raises ``ValueErro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
 DATA_SOURCES = ("synthetic", "criteo", "movielens")
+MAX_ROWS = 2**48  # rows of one table: far beyond any memory, well inside int64 ids and sizes
 CRITEO_CATEGORICAL = 26  # hexadecimal categorical columns of a Criteo line: features cat_0 .. cat_25
 MOVIELENS_FEATURES = ["user", "item", "age", "gender", "occupation", "zip", "release_year", "genres"]
 
@@ -63,10 +65,10 @@ class SyntheticConfig:
         where = "data.synthetic"
         if self.num_tables < 1:
             raise ValueError(f"{where}.num_tables must be >= 1, got {self.num_tables}")
-        if not self.num_embeddings or min(self.num_embeddings) < 1:
-            raise ValueError(f"{where}.num_embeddings must hold values >= 1, got {self.num_embeddings}")
-        if not self.pooling >= 1.0:
-            raise ValueError(f"{where}.pooling must be >= 1 (mean ids per bag), got {self.pooling}")
+        if not self.num_embeddings or min(self.num_embeddings) < 1 or max(self.num_embeddings) > MAX_ROWS:
+            raise ValueError(f"{where}.num_embeddings must hold values in [1, 2**48], got {self.num_embeddings}")
+        if not 1.0 <= self.pooling < math.inf:
+            raise ValueError(f"{where}.pooling must be finite and >= 1 (mean ids per bag), got {self.pooling}")
         if self.max_pooling < 1:
             raise ValueError(f"{where}.max_pooling must be >= 1, got {self.max_pooling}")
         if not self.zipf_alpha >= 0.0:
@@ -80,8 +82,8 @@ class SyntheticConfig:
             )
         if self.teacher_dim < 1:
             raise ValueError(f"{where}.teacher_dim must be >= 1, got {self.teacher_dim}")
-        if not self.label_noise > 0.0:
-            raise ValueError(f"{where}.label_noise must be > 0, got {self.label_noise}")
+        if not 0.0 < self.label_noise < math.inf:
+            raise ValueError(f"{where}.label_noise must be finite and > 0, got {self.label_noise}")
         if not 0.0 < self.click_rate < 1.0:
             raise ValueError(f"{where}.click_rate must be in (0, 1), got {self.click_rate}")
         if self.seed < 0:
@@ -134,10 +136,9 @@ class CriteoConfig:
         where = "data.criteo"
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"{where}.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.num_embeddings < 2:
-            raise ValueError(
-                f"{where}.num_embeddings must be >= 2 (row 0 holds missing values), got {self.num_embeddings}"
-            )
+        if not 2 <= self.num_embeddings <= MAX_ROWS:
+            raise ValueError(f"{where}.num_embeddings must be in [2, 2**48] (row 0 holds missing values), got "
+                             f"{self.num_embeddings}")
         if self.chunk_lines < 1:
             raise ValueError(f"{where}.chunk_lines must be >= 1, got {self.chunk_lines}")
         if self.seed < 0:
@@ -169,6 +170,8 @@ class MovieLensConfig:
             raise ValueError(f"data.movielens.eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.seed < 0:
             raise ValueError(f"data.movielens.seed must be >= 0, got {self.seed}")
+        if not math.isfinite(self.min_rating_positive):
+            raise ValueError(f"data.movielens.min_rating_positive must be a finite rating, got {self.min_rating_positive}")
 
     def feature_names(self) -> List[str]:
         return list(MOVIELENS_FEATURES)

@@ -58,7 +58,9 @@ class SparseOptimizerConfig:
     kind: "sgd", "adagrad", "rowwise_adagrad" (one state value per row) or "adam" (lazy: only
         touched rows move; bias correction uses the global step count).
     Checked on construction, as ``torch.optim`` does: finite numbers with learning_rate > 0,
-    eps, weight_decay and initial_accumulator_value >= 0, and 0 <= beta1, beta2 < 1.
+    eps, weight_decay and initial_accumulator_value >= 0, and 0 <= beta1, beta2 < 1; and eps > 0
+    where a zero gradient would otherwise give 0 / 0 (Adam; AdaGrad kinds without an initial
+    accumulator).
     """
 
     kind: str = "rowwise_adagrad"
@@ -88,6 +90,11 @@ class SparseOptimizerConfig:
         for arg in ("beta1", "beta2"):
             if not 0 <= getattr(self, arg) < 1:
                 raise ValueError(f"sparse optimizer {arg} must be in [0, 1), got {getattr(self, arg)}")
+        if self.eps == 0 and (self.kind == "adam" or (self.kind != "sgd" and self.initial_accumulator_value == 0)):
+            raise ValueError(f"sparse optimizer eps must be > 0 for {self.kind}"
+                             + (" (or initial_accumulator_value > 0)" if self.kind != "adam" else "")
+                             + ": every looked-up row is stepped, and one whose gradient is 0 would be updated "
+                               "by 0 / 0 = NaN")
 
 
 @dataclass

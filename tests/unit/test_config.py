@@ -50,6 +50,20 @@ def test_parse_override_types():
         ("dense_optimizer.eps=-1e-8", "dense_optimizer.eps must be finite and >= 0, got -1e-08"),
         ("dense_optimizer.weight_decay=-0.1", "dense_optimizer.weight_decay must be finite and >= 0, got -0.1"),
         ("dense_optimizer.weight_decay=nan", "dense_optimizer.weight_decay must be finite and >= 0, got nan"),
+        # values that passed the load and failed deep in training, naming no key
+        ("data.synthetic.num_embeddings=99999999999999999999", "'data.synthetic.num_embeddings\\[0\\]' must fit in 64 bits"),
+        ("data.synthetic.num_embeddings=9223372036854775807", r"num_embeddings must hold values in \[1, 2\*\*48\]"),
+        ("data.criteo.num_embeddings=1000000000000000", r"data.criteo.num_embeddings must be in \[2, 2\*\*48\]"),
+        ("data.synthetic.pooling=inf", "pooling must be finite and >= 1"),
+        ("data.synthetic.label_noise=inf", "label_noise must be finite and > 0"),
+        ("data.movielens.min_rating_positive=nan", "min_rating_positive must be a finite rating"),
+        ("train.seed=18446744073709551616", "'train.seed' must fit in 64 bits"),
+        ("embedding.storage.seed=18446744073709551616", "'embedding.storage.seed' must fit in 64 bits"),
+        ("embedding.optimizer.learning_rate=1" + "0" * 400, "'embedding.optimizer.learning_rate' must be a number "
+                                                            "within the float range, got an integer of 401 digits"),
+        ("embedding.optimizer.eps=0", r"sparse optimizer eps must be > 0 for rowwise_adagrad \(or "
+                                      r"initial_accumulator_value > 0\).*0 / 0 = NaN"),
+        ("dense_optimizer.eps=0", "dense_optimizer.eps must be > 0 for adagrad"),
     ],
 )
 def test_bad_values_are_clear_errors(override, message):
@@ -74,7 +88,8 @@ def test_model_choices_and_ranges_are_checked_with_the_config(tmp_path):
                                          r"\(from --set model.interaction=dcn\)$"):
         load_config(p, ["model.interaction=dcn"])
     cfg = load_config(None, ['model.pooling="mean"', "model.interaction=dcn", "model.dcn_num_layers=0",
-                             "model.dcn_low_rank=4", "dense_optimizer.eps=0", "dense_optimizer.weight_decay=0.01"])
+                             "model.dcn_low_rank=4", "dense_optimizer.kind='sgd'", "dense_optimizer.eps=0",
+                             "dense_optimizer.weight_decay=0.01"])  # eps = 0: fine where it divides nothing
     assert (cfg.model.pooling, cfg.model.dcn_num_layers, cfg.model.dcn_low_rank) == ("mean", 0, 4)
 
 
@@ -227,3 +242,24 @@ def test_toml_string_reads_back_as_the_same_text():
 
     for text in ["plain", "a b", "123", "2024-01-01", "it's \"quoted\" \\ back", "new\nline\ttab\x7f\x00", "ü 😀"]:
         assert parse_override(f"k={toml_string(text)}") == (["k"], text)
+
+
+def test_set_of_a_key_that_holds_a_table_replaces_it():
+    """`--set embedding.location.tables={}` was merged into the file's table: a per-table location
+    could not be removed or replaced from the command line, silently."""
+    path = "configs/tiny_cached_ssd.toml"
+    assert load_config(path).embedding.location.tables  # the file names some tables
+    assert load_config(path, ["embedding.location.tables={}"]).embedding.location.tables == {}
+    replaced = load_config(path, ["embedding.location.tables={t_feature_1='dram'}"]).embedding.location.tables
+    assert replaced == {"t_feature_1": "dram"}
+    # a section is still merged key by key
+    assert load_config(path, ["embedding.location={ways=4}"]).embedding.location.tables == \
+        load_config(path).embedding.location.tables
+
+
+def test_eps_zero_is_fine_where_nothing_divides_by_it():
+    cfg = load_config(None, ["embedding.optimizer.kind='sgd'", "embedding.optimizer.eps=0"])
+    assert cfg.embedding.optimizer.eps == 0
+    cfg = load_config(None, ["embedding.optimizer.kind='adagrad'", "embedding.optimizer.eps=0",
+                             "embedding.optimizer.initial_accumulator_value=0.1"])
+    assert cfg.embedding.optimizer.eps == 0

@@ -236,5 +236,5 @@ def test_source_errors(tmp_path):
         CriteoSource(CriteoConfig())
     with pytest.raises(FileNotFoundError, match="nope.tsv"):
         CriteoSource(CriteoConfig(train_path=str(tmp_path / "nope.tsv")))
-    with pytest.raises(ValueError, match="num_embeddings must be >= 2"):
+    with pytest.raises(ValueError, match=r"num_embeddings must be in \[2, 2\*\*48\]"):
         CriteoConfig(num_embeddings=1)

@@ -38,9 +38,11 @@ def test_sparse_optimizer_type_errors_and_edges():
         SparseOptimizerConfig(learning_rate="0.1")
     with pytest.raises(TypeError, match="sparse optimizer beta1 must be a number, got True"):
         SparseOptimizerConfig(beta1=True)
-    # the edges torch.optim allows (and ints, numpy floats) still work
-    config = SparseOptimizerConfig("adam", learning_rate=1, eps=0.0, beta1=0.0, beta2=0.0, weight_decay=0)
+    # the edges torch.optim allows (and ints, numpy floats) still work; eps = 0 only where it divides
+    # nothing (test_config: a row looked up with a zero gradient would be stepped by 0 / 0)
+    config = SparseOptimizerConfig("adam", learning_rate=1, eps=1e-30, beta1=0.0, beta2=0.0, weight_decay=0)
     assert config.beta1 == 0.0
+    assert SparseOptimizerConfig("sgd", eps=0.0).eps == 0.0
     SparseOptimizerConfig("adagrad", learning_rate=np.float32(0.1), initial_accumulator_value=0.1)
 
 
