@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from neorec.data.config import DataConfig
 from neorec.embedding.config import POOLINGS, SparseOptimizerConfig, StorageConfig
-from neorec.embedding.locations import LocationConfig
+from neorec.embedding.locations import CACHED_LOCATIONS, LocationConfig
 from neorec.sharding.qcomm import CommConfig
 from neorec.train.checkpoint_config import CheckpointConfig
 
@@ -411,7 +411,8 @@ def check_data_keys(cfg: Config) -> None:
     """The data source's keys that must agree, which no section can check alone since ``--set``
     may change them one at a time: ``data.synthetic.num_embeddings`` holds one value or
     ``num_tables`` values; a Criteo source has a ``train_path``; ``embedding.location.tables``
-    names tables the source makes. ``neorec train`` and ``neorec config`` check them at load time
+    names tables the source makes; cached tables come with fp32 ``embedding.storage``. ``neorec
+    train`` and ``neorec config`` check them at load time
     (``load_config(..., check_data=True)``), so that the error names the ``--set`` or the file;
     otherwise the data source and the model check them when they are built."""
     data = cfg.data
@@ -421,6 +422,13 @@ def check_data_keys(cfg: Config) -> None:
         raise ValueError("data.source is 'criteo' but data.criteo.train_path is empty: set it to a raw "
                          "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
     cfg.embedding.location.check_table_names(data.table_names())
+    location, precision = cfg.embedding.location, cfg.embedding.storage.precision
+    cached = sorted(name for name, kind in location.tables.items() if kind in CACHED_LOCATIONS)
+    if precision != "fp32" and (cached or (location.default in CACHED_LOCATIONS and location.min_rows == 0)):
+        what = f"tables {cached}" if cached else f"embedding.location.default = {location.default!r}"
+        raise ValueError(f"embedding.storage.precision = {precision!r} with cached tables ({what}): the cache "
+                         f"slots live in the fused module, whose rows must then be fp32; set the stored rows' "
+                         f"precision with embedding.location.precision (fp16/bf16/int8) instead")
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), check_data: bool = False) -> Config:

@@ -180,6 +180,19 @@ def test_plans_for_other_tables_or_larger_nodes_are_refused_before_ranks_start(t
            "['t_feature_2'] would be on several nodes" in err, err
 
 
+def test_half_precision_storage_with_cached_tables_is_refused_at_load_time(capsys):
+    """It passed `neorec config` and was refused by `train` only after the data was built, without
+    naming the --set."""
+    args = ["--set", "embedding.storage.precision='fp16'", "--set", "embedding.location.default='cached_dram'"]
+    assert main(["config", *args]) == 2
+    err = capsys.readouterr().err
+    assert "embedding.storage.precision = 'fp16' with cached tables (embedding.location.default = " \
+           "'cached_dram')" in err and "(from the --set overrides together)" in err, err
+    assert main(["config", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"),
+                 "--set", "embedding.storage.precision='bf16'"]) == 2
+    assert "with cached tables (tables ['t_feature_0'])" in capsys.readouterr().err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
