@@ -432,8 +432,9 @@ def check_data_keys(cfg: Config) -> None:
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), check_data: bool = False) -> Config:
-    """Defaults, then the TOML file (if any), then ``--set`` overrides, in that order.
-    ``check_data``: also check the data keys that must agree (``check_data_keys``)."""
+    """Defaults, then the config file (if any), then ``--set`` overrides, in that order. The file
+    is TOML, or JSON when its name ends in ``.json`` (a run folder's ``config.json``: the run's
+    whole config). ``check_data``: also check the data keys that must agree (``check_data_keys``)."""
     values: Dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -441,10 +442,19 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
             raise ValueError(f"config file {str(p)!r} is a directory; give a .toml file (e.g. configs/tiny.toml)")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found")
-        try:
-            values = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+        if p.suffix.lower() == ".json":
+            try:
+                values = json.loads(p.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ValueError(f"config file {str(p)!r} is not valid JSON: {exc}") from None
+            if not isinstance(values, dict):
+                raise ValueError(f"config file {str(p)!r}: expected a JSON object of sections, got "
+                                 f"{type(values).__name__}")
+        else:
+            try:
+                values = tomllib.loads(p.read_text())
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
     try:
         return config_from_dict(values, overrides, check_data)
     except ValueError as exc:

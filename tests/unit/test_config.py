@@ -263,3 +263,19 @@ def test_eps_zero_is_fine_where_nothing_divides_by_it():
     cfg = load_config(None, ["embedding.optimizer.kind='adagrad'", "embedding.optimizer.eps=0",
                              "embedding.optimizer.initial_accumulator_value=0.1"])
     assert cfg.embedding.optimizer.eps == 0
+
+
+def test_a_runs_config_json_is_a_config_file(tmp_path):
+    """`neorec train --config runs/x/config.json` was refused as "not valid TOML": the one file that
+    holds a run's whole config could not be given back to rerun it."""
+    cfg = load_config("configs/tiny.toml", ["train.max_steps=7", "train.seed=3"])
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    assert load_config(path) == cfg
+    assert load_config(path, ["train.max_steps=9"]).train.max_steps == 9
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object of sections, got list"):
+        load_config(path)
+    path.write_text("{nope")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_config(path)
