@@ -311,6 +311,10 @@ def _build(cls: type, values: Dict[str, Any], prefix: str = "") -> Any:
         raise ValueError(f"config section {prefix or 'top level'}: {exc}") from exc
 
 
+_ALIASES = {"lr": "learning_rate", "wd": "weight_decay", "dim": "embedding_dim", "batch": "batch_size",
+            "steps": "max_steps"}  # names other tools use
+
+
 def _did_you_mean(where: str) -> str:
     """``"; did you mean 'X'?"`` for an unknown key: the keys of its section with that word in their
     name (``data.criteo.path`` -> ``data.criteo.train_path``), then the keys or sections of that
@@ -322,7 +326,8 @@ def _did_you_mean(where: str) -> str:
     known = [k for k in known if not where.startswith(k + ".")]  # not its own sections
     section = where[: -len(name)]
     siblings = [k[len(section):] for k in known if k.startswith(section) and "." not in k[len(section):]]
-    with_word = [sibling for sibling in siblings if name in sibling.split("_")]
+    alias = _ALIASES.get(name)
+    with_word = [sibling for sibling in siblings if name in sibling.split("_") or sibling == alias]
     closest = sorted(with_word, key=lambda sibling: -difflib.SequenceMatcher(None, name, sibling).ratio())
     guesses = [section + sibling for sibling in closest[:3]]
     guesses += [k for k in known if k.rsplit(".", 1)[-1] == name]

@@ -35,6 +35,8 @@ def test_parse_override_types():
         ("data.criteo.path=x", "did you mean 'data.criteo.eval_path' or 'data.criteo.train_path' or "
                                "'data.movielens.path'"),  # only the MovieLens key was named
         ("train.steps=3", "did you mean 'train.max_steps' or"),  # the closest first
+        ("embedding.optimizer.lr=0.1", "did you mean 'embedding.optimizer.learning_rate'"),  # other tools' names
+        ("model.dim=8", "did you mean 'model.embedding_dim'"),
         ("nosection.x=1", "unknown config key 'nosection'"),
         ("train.max_steps=1.5", "'train.max_steps' must be an integer"),
         ("train.progress=3", "must be true or false"),
