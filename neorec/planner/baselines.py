@@ -7,6 +7,8 @@ over all ranks when it fits no single rank), placed by
 - "random": a seeded random rank with room.
 
     loads = baseline_loads("size-greedy", tables, topology, settings)    # seconds per rank
+
+Each rank's seconds include the collectives' fixed latency, once per step (``PlanResult.makespan``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import List, Sequence
 
-from neorec.planner.cost_model import PlanSettings, TableSpec
+from neorec.planner.cost_model import PlanSettings, TableSpec, collective_latencies
 from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, enumerate_options
 from neorec.planner.topology import Topology
 from neorec.sharding.plan import ShardingType
@@ -38,6 +40,7 @@ def baseline_loads(name: str, tables: Sequence[TableSpec], topo: Topology, setti
     world = topo.world_size
     load, used, key_load = [0.0] * world, [0.0] * world, [0.0] * world
     rng = random.Random(seed)
+    kinds = set()
     size = {t.name: t.num_rows * t.dim for t in tables}
     lookups = {t.name: t.pooling * t.dim for t in tables}
     order = sorted(tables, key=lambda t: -(size if name == "size-greedy" else lookups)[t.name])
@@ -70,4 +73,6 @@ def baseline_loads(name: str, tables: Sequence[TableSpec], topo: Topology, setti
             break
         if not placed:
             raise InfeasiblePlanError(f"baseline {name}: table {table.name!r} fits no rank")
-    return load
+        kinds.add(option.sharding_type)
+    latency = collective_latencies(kinds, topo).total  # paid once per step by every rank, as in PlanResult
+    return [seconds + latency for seconds in load]

@@ -7,7 +7,10 @@
 Preferences are relaxed step by step: first only the first tier and first precision allowed;
 when that does not fit, more precisions (in the given order), then more tiers. The first level
 that fits is planned (enumerate -> cost -> partition); inside it, tables then move back to the
-preferred precision and tier wherever memory allows. When none fits, the last level's
+preferred precision and tier wherever memory allows. A plan that mixes replicated and
+model-parallel tables pays the fixed latency of both kinds of collectives, which the partition
+(balancing the pieces' work) does not see: such a plan is compared with the partitions that use
+only one kind, latency included, and the fastest kept. When none fits, the last level's
 ``InfeasiblePlanError`` names the table and its tightest limit.
 """
 
@@ -55,14 +58,15 @@ class PlanResult:
 
     @property
     def lower_bound(self) -> float:
-        """The partition's bound on the slowest rank's work, plus this plan's fixed latency."""
+        """The partition's bound on the slowest rank's work, plus this plan's fixed latency (to be
+        read beside ``makespan``)."""
         return self.partition.lower_bound + self.latency.total
 
     @property
     def gap(self) -> float:
-        if self.lower_bound <= 0:
-            return 0.0
-        return max(0.0, self.makespan / self.lower_bound - 1.0)  # bound <= makespan; clamp float rounding
+        """How far the slowest rank's work is from its bound (work / bound - 1): the balance the
+        partition reached, the fixed latency left out (it is the same on every rank)."""
+        return self.partition.gap
 
     @property
     def tiers(self) -> Dict[str, str]:
@@ -154,11 +158,44 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
         except InfeasiblePlanError as exc:
             error = exc
             continue
+        result = _fewer_collectives_if_faster(result, options, topology, capacity, deadline, max_rounds,
+                                              _preference(settings))
         plan = ShardingPlan({t.name: table_plan(t, result.placements[t.name]) for t in tables},
                             topology.world_size, int(topology.ranks_per_node))
         return PlanResult(plan, result.placements, result, topology, level, list(tables))
     assert error is not None
     raise error
+
+
+def _with_latency(result: PartitionResult, topology: Topology) -> float:
+    kinds = {p.option.sharding_type for p in result.placements.values()}
+    return result.makespan + collective_latencies(kinds, topology).total
+
+
+def _fewer_collectives_if_faster(result: PartitionResult, options: Dict[str, List[ShardOption]], topology: Topology,
+                                 capacity: Capacity, deadline: float, max_rounds: int, preference) -> PartitionResult:
+    """The partition balances the pieces' work; the collectives' fixed latency is paid once per step
+    for all tables (three all-to-alls when any table is model-parallel, one all-reduce when any is
+    replicated), so a plan mixing both pays both. When it does, partition again with replicas only
+    and without them, and keep whichever is fastest with its latency (the first on ties)."""
+    kinds = {p.option.sharding_type for p in result.placements.values()}
+    if ShardingType.DATA_PARALLEL not in kinds or kinds == {ShardingType.DATA_PARALLEL} or topology.world_size == 1:
+        return result
+    best, best_seconds = result, _with_latency(result, topology)
+    for replicated in (False, True):
+        allowed = {name: [o for o in opts if (o.sharding_type == ShardingType.DATA_PARALLEL) == replicated]
+                   for name, opts in options.items()}
+        if not all(allowed.values()):
+            continue
+        try:
+            other = partition(allowed, topology, capacity, time_limit=max(0.0, deadline - time.perf_counter()),
+                              max_rounds=max_rounds, preference=preference)
+        except InfeasiblePlanError:
+            continue
+        seconds = _with_latency(other, topology)
+        if seconds < best_seconds * (1 - 1e-9):
+            best, best_seconds = other, seconds
+    return best
 
 
 def evaluate_plan(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
