@@ -467,11 +467,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", EXIT_USAGE)  # a diverged run failed (1); it was not misused
     except KeyboardInterrupt:
-        ranks = "; stopped every rank" if getattr(args, "nproc", None) and not where else ""
+        ranks = "; stopped every rank" if (getattr(args, "nproc", None) or 1) > 1 and not where else ""
         print(f"neorec {args.command}{where}: interrupted{ranks}", file=sys.stderr)
         return 130
     except Terminated as exc:
-        ranks = " every rank" if getattr(args, "nproc", None) else ""
+        ranks = " every rank" if (getattr(args, "nproc", None) or 1) > 1 else ""
         print(f"neorec {args.command}: {exc} received; stopped{ranks}", file=sys.stderr)
         return 128 + exc.signum
     except Exception as exc:  # not foreseen (or a peer rank died): one line and how to see more
