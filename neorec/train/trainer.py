@@ -355,7 +355,12 @@ class Trainer:
         if writes:
             writes.mkdir(parents=True, exist_ok=True)
             write_atomic(writes / "config.json", self.cfg.to_json())
-        total_steps = steps_per_epoch * cfg.epochs if cfg.epochs else cfg.max_steps
+        if cfg.epochs:  # the step the run ends at: what is left of the data, in this run's global batches
+            left = 0 if epoch >= cfg.epochs else (max(0, steps_per_epoch - batch_in_epoch)
+                                                  + steps_per_epoch * (cfg.epochs - epoch - 1))
+            total_steps = self.step + left  # (a resumed run may have trained its steps with other batches)
+        else:
+            total_steps = cfg.max_steps
         if cfg.max_steps:
             total_steps = min(total_steps, cfg.max_steps)
         if self.step and total_steps and self.is_main and self.step >= total_steps:

@@ -396,6 +396,17 @@ def test_resume_at_the_end_of_an_epoch_takes_any_global_batch(tmp_path):
     assert resumed.checkpointer.position.epoch == 1 and resumed.checkpointer.position.batch_in_epoch == 1
 
 
+def test_a_resume_with_another_global_batch_counts_what_is_left_in_its_own_batches(tmp_path):
+    """Step 12 of batches of 128 (epoch 1, 512 samples in) resumed with batches of 256: 2 steps are
+    left (to step 14), but the end step was counted as 2 epochs of the new batches (8): "nothing
+    left to train ... ends at step 8", then it trained, past its progress bar's total."""
+    make_trainer(tmp_path, "train.max_steps=12", *checkpoint_args(tmp_path, 12)).fit()
+    resumed = make_trainer(tmp_path, "data.batch_size=256", resume=str(tmp_path / "ckpt"), name="r256")
+    result = resumed.fit()
+    assert resumed.step == 14 and result.samples == 2 * 256 - 24  # the epoch's last batch is short
+    assert "nothing left to train" not in resumed.out.getvalue()
+
+
 def test_config_or_plan_given_a_directory_says_so(tmp_path):
     from neorec.config import load_config
     from neorec.files import read_json_file
