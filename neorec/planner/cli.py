@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kinds[p.option.describe()] = kinds.get(p.option.describe(), 0) + 1
     print("options: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])))
     print(f"slowest rank {result.makespan * 1e3:.3f} ms, lower bound {result.lower_bound * 1e3:.3f} ms "
-          f"(gap {result.gap * 100:.1f}%), greedy start {result.partition.greedy_makespan * 1e3:.3f} ms, "
+          f"(gap {result.gap * 100:.1f}%), greedy start {result.greedy_makespan * 1e3:.3f} ms, "
           f"{result.partition.rounds} search rounds")
     print(f"predicted iteration {sim.iteration_seconds * 1e3:.2f} ms ({sim.qps:,.0f} QPS) without pipelining, "
           f"{sim.pipelined_iteration_seconds * 1e3:.2f} ms ({sim.pipelined_qps:,.0f} QPS) pipelined")

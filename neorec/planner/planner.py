@@ -63,6 +63,12 @@ class PlanResult:
         return self.partition.lower_bound + self.latency.total
 
     @property
+    def greedy_makespan(self) -> float:
+        """The slowest rank of the partition's greedy start, with this plan's fixed latency (as
+        ``makespan``, to be compared with it)."""
+        return self.partition.greedy_makespan + self.latency.total
+
+    @property
     def gap(self) -> float:
         """How far the slowest rank's work is from its bound (work / bound - 1): the balance the
         partition reached, the fixed latency left out (it is the same on every rank)."""
@@ -90,7 +96,7 @@ class PlanResult:
             "topology": self.topology.to_dict(),
             "settings": dataclasses.asdict(self.settings),
             "makespan_seconds": self.makespan, "lower_bound_seconds": self.lower_bound, "gap": self.gap,
-            "greedy_makespan_seconds": self.partition.greedy_makespan, "search_rounds": self.partition.rounds,
+            "greedy_makespan_seconds": self.greedy_makespan, "search_rounds": self.partition.rounds,
             "tables": {n: {"option": p.option.describe(), "sharding_type": p.option.sharding_type.value,
                            "tier": p.option.tier, "precision": p.option.precision, "ranks": list(p.ranks)}
                        for n, p in self.placements.items()},
