@@ -305,7 +305,9 @@ def _build(cls: type, values: Dict[str, Any], prefix: str = "") -> Any:
         kwargs[key] = _convert(value, hints[key], where)
     try:
         return cls(**kwargs)
-    except ValueError:
+    except ValueError as exc:
+        if prefix and not str(exc).startswith(prefix):  # a class also used outside the config: name the section
+            raise ValueError(f"{prefix}: {exc}") from None
         raise
     except TypeError as exc:  # pragma: no cover - defensive, _convert checks types first
         raise ValueError(f"config section {prefix or 'top level'}: {exc}") from exc

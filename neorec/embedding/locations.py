@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from neorec.embedding.cache import POLICIES
 from neorec.embedding.config import TableConfig
@@ -34,22 +34,24 @@ LOCATIONS = ("device", "dram", "cached_dram", "cached_ssd")
 CACHED_LOCATIONS = ("cached_dram", "cached_ssd")
 
 
-def _check_common(where: str, kind: str, cache_rows: int, cache_fraction: float, ways: int, policy: str,
-                  precision: str, resident_budget_mb: int) -> None:
+def _check_common(key: Callable[[str], str], kind: str, cache_rows: int, cache_fraction: float, ways: int,
+                  policy: str, precision: str, resident_budget_mb: int) -> None:
+    """The checks a table's location and the config section share; ``key(name)`` names the key
+    (``embedding.location.ways``), ``key("kind")`` the location itself."""
     if kind not in LOCATIONS:
-        raise ValueError(f"{where}: location must be one of {LOCATIONS}, got {kind!r}")
+        raise ValueError(f"{key('kind')} must be one of {LOCATIONS}, got {kind!r}")
     if cache_rows < 0:
-        raise ValueError(f"{where}: cache_rows must be >= 0 (0 = use cache_fraction), got {cache_rows}")
+        raise ValueError(f"{key('cache_rows')} must be >= 0 (0 = use cache_fraction), got {cache_rows}")
     if not 0.0 < cache_fraction <= 1.0:
-        raise ValueError(f"{where}: cache_fraction must be in (0, 1], got {cache_fraction}")
+        raise ValueError(f"{key('cache_fraction')} must be in (0, 1], got {cache_fraction}")
     if ways <= 0:
-        raise ValueError(f"{where}: ways must be > 0, got {ways}")
+        raise ValueError(f"{key('ways')} must be > 0, got {ways}")
     if policy not in POLICIES:
-        raise ValueError(f"{where}: policy must be one of {POLICIES}, got {policy!r}")
+        raise ValueError(f"{key('policy')} must be one of {POLICIES}, got {policy!r}")
     if precision not in ROW_PRECISIONS:
-        raise ValueError(f"{where}: precision must be one of {ROW_PRECISIONS}, got {precision!r}")
+        raise ValueError(f"{key('precision')} must be one of {ROW_PRECISIONS}, got {precision!r}")
     if resident_budget_mb <= 0:
-        raise ValueError(f"{where}: resident_budget_mb must be > 0, got {resident_budget_mb}")
+        raise ValueError(f"{key('resident_budget_mb')} must be > 0, got {resident_budget_mb}")
 
 
 @dataclass
@@ -87,8 +89,9 @@ class TableLocation:
     resident_budget_mb: int = 256
 
     def __post_init__(self) -> None:
-        _check_common("table location", self.kind, self.cache_rows, self.cache_fraction, self.ways, self.policy,
-                      self.precision, self.resident_budget_mb)
+        _check_common(lambda name: f"table location: {'location' if name == 'kind' else name}", self.kind,
+                      self.cache_rows, self.cache_fraction, self.ways, self.policy, self.precision,
+                      self.resident_budget_mb)
         if self.kind == "cached_ssd" and not self.path:
             raise ValueError("table location 'cached_ssd' needs a path (the directory of its SSD row store)")
 
@@ -136,8 +139,9 @@ class LocationConfig:
 
     def __post_init__(self) -> None:
         where = "embedding.location"
-        _check_common(f"{where}.default", self.default, self.cache_rows, self.cache_fraction, self.ways,
-                      self.policy, self.precision, self.resident_budget_mb)
+        _check_common(lambda name: f"{where}.{'default' if name == 'kind' else name}", self.default,
+                      self.cache_rows, self.cache_fraction, self.ways, self.policy, self.precision,
+                      self.resident_budget_mb)
         if not isinstance(self.tables, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                         for k, v in self.tables.items()):
             raise ValueError(f"{where}.tables must map table names to locations, e.g. "

@@ -41,8 +41,10 @@ def test_parse_override_types():
         ("train.max_steps=1.5", "'train.max_steps' must be an integer"),
         ("train.progress=3", "must be true or false"),
         ("model.interaction=cross", "model.interaction must be one of"),
-        ("embedding.optimizer.kind=lamb", "sparse optimizer must be one of"),
-        ("embedding.storage.precision=fp8", "precision must be one of"),
+        ("embedding.optimizer.kind=lamb", "embedding.optimizer: sparse optimizer must be one of"),
+        ("embedding.storage.precision=fp8", "embedding.storage: precision must be one of"),
+        ("embedding.location.ways=0", "embedding.location.ways must be > 0"),  # was "embedding.location.default: ways"
+        ("embedding.location.resident_budget_mb=0", "embedding.location.resident_budget_mb must be > 0"),
         ("data.source=kaggle", "data.source must be one of"),
         ("model.dense_layers=[64, 8]", "must end in model.embedding_dim"),
         ('model.pooling="max"', r"model.pooling must be one of \('sum', 'mean'\), got 'max'"),

@@ -401,10 +401,10 @@ def test_location_config_resolves_per_table_and_rejects_mistakes():
     assert placed["t_feature_1"].precision == "fp16" and placed["t_feature_1"].policy == "lfu"
     assert placed["t_feature_1"].cache_shape(1000) == (128, 32)  # 10% = 100 rows -> whole 32-way sets
     for override, message in [
-        ("embedding.location.default=disk", "location must be one of"),
+        ("embedding.location.default=disk", "embedding.location.default must be one of"),
         ("embedding.location.precision=int4", "precision must be one of"),
-        ("embedding.location.policy=random", "policy must be one of"),
-        ("embedding.location.cache_fraction=0", r"cache_fraction must be in \(0, 1\]"),
+        ("embedding.location.policy=random", "embedding.location.policy must be one of"),
+        ("embedding.location.cache_fraction=0", r"embedding.location.cache_fraction must be in \(0, 1\]"),
         ("embedding.location.tables.t_feature_1=floppy", "tables.t_feature_1: location must be one of"),
         ("embedding.location.nope=1", "unknown config key 'embedding.location.nope'"),
     ]:
