@@ -182,7 +182,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from neorec.train.launch import launch_local
 
         cfg, _ = _config_and_plan(args, args.nproc, args.nproc)  # said once, before N ranks start and each says it
-        cfg.data.check_inputs_exist()
+        _check_before_launch(cfg, args)
         try:
             return launch_local(args.nproc, list(argv))
         except (KeyboardInterrupt, Terminated):  # the ranks are stopped; say where to go on from; _main says why
@@ -230,6 +230,20 @@ def _resume_hint(trainer) -> str:
     if saved is None:
         return " (no checkpoint saved yet)"
     return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
+
+
+def _check_before_launch(cfg, args: argparse.Namespace) -> None:
+    """What every rank would refuse alike, said once by the launcher: missing data files, a
+    missing --resume, tables the config places off the device (single-process only)."""
+    from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
+
+    cfg.data.check_inputs_exist()
+    if args.resume and not Path(args.resume).exists():
+        raise ValueError(f"--resume: {args.resume} does not exist")
+    location = cfg.embedding.location
+    if any(kind != "device" for kind in location.tables.values()) or (location.default != "device"
+                                                                        and location.min_rows == 0):
+        raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
 
 
 def _saved_checkpoint_hint(root: str) -> str:

@@ -54,6 +54,11 @@ def _check_common(key: Callable[[str], str], kind: str, cache_rows: int, cache_f
         raise ValueError(f"{key('resident_budget_mb')} must be > 0, got {resident_budget_mb}")
 
 
+OFF_DEVICE_SINGLE_PROCESS = ("embedding.location: tables off the device (cached or DRAM) are single-process only so "
+                             "far: train without --nproc / torchrun, or keep every table on the device "
+                             "(embedding.location.default = 'device' and no embedding.location.tables)")
+
+
 @dataclass
 class TableLocation:
     """Where one table lives and, for cached tables, how its cache and store are built.

@@ -29,6 +29,7 @@ from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
 from neorec.files import ensure_writable_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
+from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.checkpoint_tables import OFF_DEVICE_CHECKPOINTS
@@ -206,7 +207,7 @@ class Trainer:
         off_device = cfg.embedding.location.any_off_device(self.source.tables(cfg.model.embedding_dim,
                                                                                cfg.model.pooling))
         if distributed is not None and off_device:
-            raise ValueError("embedding.location: tables off the device (cached or DRAM) are single-process only so far")
+            raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
         if (cfg.checkpoint.dir or resume is not None) and off_device:
             # refused before build_model, which replaces the SSD stores: their rows are the only copy
             raise ValueError(OFF_DEVICE_CHECKPOINTS)

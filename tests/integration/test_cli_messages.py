@@ -98,6 +98,11 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     assert main(["train", "--config", str(ROOT / "configs" / "movielens.toml"), "--nproc", "2",
                  "--set", f"data.movielens.path={tmp_path / 'ml'}"]) == 2
     assert "MovieLens directory not found: " in capsys.readouterr().err
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--resume", str(tmp_path / "nockpt")]) == 2
+    assert capsys.readouterr().err == f"neorec train: error: --resume: {tmp_path / 'nockpt'} does not exist\n"
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "single-process only so far: train without --nproc" in err, err
 
 
 def test_nproc_with_a_leftover_rank_and_world_size_says_so(monkeypatch, capsys):
