@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -437,7 +438,13 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line of the command's output (Python's shows the source file and line)."""
+    print(f"neorec: warning: {message}", file=file if file is not None else sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    previous, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before _main's own handling (building the parser imports torch)
@@ -449,6 +456,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, ValueError):
             pass
         return 1
+    finally:
+        warnings.showwarning = previous
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

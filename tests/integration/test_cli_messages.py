@@ -198,6 +198,16 @@ def test_half_precision_storage_with_cached_tables_is_refused_at_load_time(capsy
     assert "with cached tables (tables ['t_feature_0'])" in capsys.readouterr().err
 
 
+def test_warnings_are_one_line_of_the_commands_output(tmp_path, capsys):
+    """Python's format showed the source file, line number and code line of the warning."""
+    assert main(["train", "--config", str(TINY), "--max-steps", "2", "--no-progress", "--output-dir",
+                 str(tmp_path / "run"), "--set", "embedding.location.default='cached_dram'",
+                 "--set", "embedding.location.cache_fraction=0.05"]) == 0
+    err = capsys.readouterr().err
+    assert "neorec: warning: cache of table 't_feature_" in err and "growing it to" in err, err
+    assert "cached.py" not in err and "_grow_cache" not in err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
