@@ -346,6 +346,8 @@ def _train_config(args: argparse.Namespace):
 
     extra: List[str] = []
     if args.max_steps is not None:
+        if args.max_steps < 0:  # said as the option, not as the --set it becomes
+            raise ValueError(f"--max-steps must be >= 0 (0 = no limit), got {args.max_steps}")
         extra.append(f"train.max_steps={args.max_steps}")
     if args.output_dir is not None:
         extra.append(f"train.output_dir={toml_string(args.output_dir)}")

@@ -373,6 +373,14 @@ class CriteoSource:
         self.num_dense = NUM_INTEGER
         self.feature_names = cfg.feature_names()
         processed = Path(cfg.processed_dir or f"{cfg.train_path}.neorec")
+        if not Path(cfg.train_path).is_file():  # before making the processed copy's folder beside it
+            raise FileNotFoundError(f"Criteo TSV file not found: {cfg.train_path}")
+        try:
+            processed.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot make {processed}, the folder of the processed copy (data.criteo.processed_dir"
+                             f"{'' if cfg.processed_dir else ', by default beside train_path'}): "
+                             f"{exc.strerror or exc}") from None
         args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines)
         self._train = load_or_preprocess(cfg.train_path, processed / "train", *args)
         _report_skipped(cfg.train_path, self._train)

@@ -208,6 +208,11 @@ def test_warnings_are_one_line_of_the_commands_output(tmp_path, capsys):
     assert "cached.py" not in err and "_grow_cache" not in err
 
 
+def test_a_negative_max_steps_is_named_as_the_option_given(capsys):
+    assert main(["train", "--config", str(TINY), "--max-steps", "-1"]) == 2
+    assert capsys.readouterr().err == "neorec train: error: --max-steps must be >= 0 (0 = no limit), got -1\n"
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]

@@ -236,5 +236,12 @@ def test_source_errors(tmp_path):
         CriteoSource(CriteoConfig())
     with pytest.raises(FileNotFoundError, match="nope.tsv"):
         CriteoSource(CriteoConfig(train_path=str(tmp_path / "nope.tsv")))
+    assert not (tmp_path / "nope.tsv.neorec").exists()
+    tsv = tmp_path / "day.tsv"
+    tsv.write_text("")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"cannot make .*afile.*processed copy \(data.criteo.processed_dir\): "
+                                         r"Not a directory"):  # was a bare [Errno 20]
+        CriteoSource(CriteoConfig(train_path=str(tsv), processed_dir=str(tmp_path / "afile" / "x")))
     with pytest.raises(ValueError, match=r"num_embeddings must be in \[2, 2\*\*48\]"):
         CriteoConfig(num_embeddings=1)
