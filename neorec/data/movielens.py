@@ -191,7 +191,9 @@ class MovieLensSource:
         self.cfg = cfg
         directory = Path(cfg.path)
         if not directory.is_dir():
-            raise FileNotFoundError(f"MovieLens directory not found: {directory}; expected {_EXPECTED}")
+            relative = "" if directory.is_absolute() else f", relative to {Path.cwd()}"
+            raise FileNotFoundError(f"MovieLens directory not found: {directory} (data.movielens.path{relative}); "
+                                    f"expected {_EXPECTED}")
         if (directory / GROUPLENS["inter"]).is_file():
             paths = {kind: directory / GROUPLENS[kind] for kind in REQUIRED}
             tables = read_grouplens(directory)

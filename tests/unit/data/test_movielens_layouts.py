@@ -120,9 +120,13 @@ def test_a_byte_order_mark_before_the_header_is_not_part_of_it(tmp_path):
     assert marked.vocabularies == plain.vocabularies and marked.num_train_samples() == plain.num_train_samples()
 
 
-def test_missing_directory_or_file_is_explained(tmp_path):
-    with pytest.raises(FileNotFoundError, match="MovieLens directory not found: .*nowhere.*expected .*u.data"):
+def test_missing_directory_or_file_is_explained(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match=r"MovieLens directory not found: .*nowhere \(data.movielens.path\); "
+                                                r"expected .*u.data"):
         MovieLensSource(MovieLensConfig(path=str(tmp_path / "nowhere")))
+    monkeypatch.chdir(tmp_path)  # the default path is relative: say to what
+    with pytest.raises(FileNotFoundError, match=rf"ml-100k \(data.movielens.path, relative to {tmp_path}\)"):
+        MovieLensSource(MovieLensConfig())
     partial = tmp_path / "ml-tiny"
     partial.mkdir()
     (partial / "ml-tiny.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1\t5\t10\n")
