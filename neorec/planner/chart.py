@@ -6,10 +6,10 @@ Needs matplotlib (``pip install 'neorec[plot]'``).
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from pathlib import Path
 
+from neorec.files import write_atomic
 
 MISSING = ("the per-rank chart needs matplotlib: pip install 'matplotlib>=3.7' (or the neorec[plot] extra), "
            "or leave out --chart")
@@ -49,16 +49,9 @@ def write_load_chart(result, path: str | Path) -> None:
                  f"gap to bound {result.gap * 100:.1f}%")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".png")
-    os.close(fd)
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        fig.savefig(png, format="png", dpi=100)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(Path(path), png.getvalue())  # the mode the umask gives, as the plan and report files

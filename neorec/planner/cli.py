@@ -113,6 +113,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         target = getattr(args, flag)
         if target and Path(target).is_dir():
             raise ValueError(f"plan: --{flag} {target} is a directory; give a file name")
+        if target and not Path(target).resolve().parent.is_dir():
+            raise ValueError(f"plan: --{flag} {target}: its directory {Path(target).parent} does not exist")
     if args.chart:
         from neorec.planner.chart import check_matplotlib
 

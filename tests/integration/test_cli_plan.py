@@ -34,6 +34,7 @@ def test_plan_preset_writes_plan_report_and_chart(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert len(data["ranks"]) == 8 and data["simulation"]["qps"] > 0 and data["gap"] >= 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert chart.stat().st_mode & 0o777 == out.stat().st_mode & 0o777  # was 0600 (mkstemp), the others 0644
 
 
 def test_plan_table_file_errors_name_the_table(tmp_path, capsys):
@@ -237,3 +238,13 @@ def test_zero_nodes_and_more_than_eight_column_pieces():
     pieces = {o.num_pieces for o in enumerate_options(TableSpec("t", 1000, 128), topo, settings,
                                                        Capacity.of(topo, settings))}
     assert 16 in pieces  # max_column_pieces above 8 was capped at 8 without a word
+
+
+def test_plan_outputs_in_a_missing_folder_are_refused_before_the_search(tmp_path, capsys):
+    """The folders were made (`--chart /nonexistent/x.png` made /nonexistent), unlike write-criteo."""
+    for flag in ("--out", "--report", "--chart"):
+        target = tmp_path / "missing" / "x.json"
+        assert main(["plan", "--model", "dlrm-criteo-kaggle", flag, str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"plan: {flag} {target}: its directory {target.parent} does not exist" in err, err
+        assert not target.parent.exists()
