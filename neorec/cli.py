@@ -190,7 +190,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"neorec train: {_saved_checkpoint_hint(cfg.checkpoint.dir)}", file=sys.stderr)
             raise
     if args.plan is not None:
-        raise ValueError("--plan needs several processes: add --nproc N or start with torchrun")
+        raise ValueError("--plan needs several processes: --nproc 2 or more, or start with torchrun")
     from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
@@ -397,10 +397,14 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from neorec.data import criteo
 
     if args.data_command == "write-criteo":
+        if args.lines < 0:  # named as the option, not as the function's parameter
+            raise ValueError(f"--lines must be >= 0, got {args.lines}")
         criteo.write_criteo_tsv(args.path, num_lines=args.lines, seed=args.seed, held_out=args.held_out)
         print(f"wrote {args.lines:,} {'held-out ' if args.held_out else ''}lines to {args.path}")
         return 0
     if args.data_command == "preprocess-criteo":
+        if args.num_embeddings < 2:
+            raise ValueError(f"--num-embeddings must be >= 2 (row 0 holds missing values), got {args.num_embeddings}")
         processed = args.processed_dir or f"{args.tsv}.neorec"
         sets = [f"data.criteo.train_path={toml_string(args.tsv)}"]
         for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")]:

@@ -366,6 +366,9 @@ def _value_toml_error(message: str) -> str:
 
 
 def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
+    for depth in range(1, len(path)):  # train.max_steps.x: max_steps holds a value, it has no keys
+        if not _is_section(path[:depth]) and not _holds_table(path[:depth]):
+            raise ValueError(f"--set {'.'.join(path)}: {'.'.join(path[:depth])!r} is a value, not a section")
     node = tree
     for part in path[:-1]:
         child = node.setdefault(part, {})
@@ -376,6 +379,17 @@ def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
         _merge(node[path[-1]], value)  # --set train={max_steps=5}: the section's other keys stay
     else:  # a value, or a key that holds a table (embedding.location.tables={}): replaced
         node[path[-1]] = value
+
+
+def _holds_table(path: List[str]) -> bool:
+    """Whether ``path`` names a key whose value is a table (``embedding.location.tables``)."""
+    tp: Any = Config
+    for part in path:
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return False
+        tp = hints[part]
+    return typing.get_origin(tp) in (dict, Dict)
 
 
 def _is_section(path: List[str]) -> bool:

@@ -137,7 +137,8 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
                     line, reason = parsed.errors[0]
                     if not skip_malformed:
                         raise ValueError(f"{tsv_path}:{line}: {reason} (malformed Criteo line; "
-                                         f"set skip_malformed to count and skip such lines)")
+                                         f"data.criteo.skip_malformed = true, or --skip-malformed, counts "
+                                         f"and skips such lines)")
                     stats.num_skipped += len(parsed.errors)
                     room = 5 - len(stats.skipped_examples)
                     stats.skipped_examples += [f"line {n}: {r}" for n, r in parsed.errors[:room]]

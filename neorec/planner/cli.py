@@ -41,10 +41,14 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                       help="zionex (16 x 8 A100-40GB, default), dgx-h100, local-cpu (calibrated) or a topology JSON")
     plan.add_argument("--nodes", type=int, metavar="N", help="number of nodes (default: the preset's)")
     plan.add_argument("--batch-size", type=int, metavar="B", help="samples per rank (default: the model's)")
-    plan.add_argument("--precisions", metavar="LIST", help=f"allowed, preferred first, from {list(PRECISIONS)}")
-    plan.add_argument("--tiers", metavar="LIST", help=f"allowed, preferred first, from {list(TIERS)}")
-    plan.add_argument("--optimizer", choices=OPTIMIZERS, help="sparse optimizer (sets the state per row)")
-    plan.add_argument("--comm-bytes", type=int, choices=(1, 2, 4), help="bytes per pooled value on the wire")
+    plan.add_argument("--precisions", metavar="LIST",
+                      help=f"allowed, preferred first, from {list(PRECISIONS)} (default: the model's; fp32 for --tables)")
+    plan.add_argument("--tiers", metavar="LIST",
+                      help=f"allowed, preferred first, from {list(TIERS)} (default: the model's; device for --tables)")
+    plan.add_argument("--optimizer", choices=OPTIMIZERS,
+                      help="sparse optimizer, sets the state per row (default: the model's; rowwise_adagrad)")
+    plan.add_argument("--comm-bytes", type=int, choices=(1, 2, 4),
+                      help="bytes per pooled value on the wire (default: the model's; 4 for --tables)")
     plan.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                       help="seconds for the improvement search of a plan, shared by its relaxation attempts "
                            "(default 10); the preference pass after it may take as long again, enumeration and the "
@@ -63,11 +67,11 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _count(n: int) -> str:
-    """A parameter count for people: 30,400 / 12.5M / 3.42B."""
+    """A parameter count for people: 30,400 / 12.5 million / 3.42 billion (not "B": bytes)."""
     if n >= 1e9:
-        return f"{n / 1e9:,.2f}B"
+        return f"{n / 1e9:,.2f} billion"
     if n >= 1e6:
-        return f"{n / 1e6:,.1f}M"
+        return f"{n / 1e6:,.1f} million"
     return f"{n:,}"
 
 

@@ -389,6 +389,9 @@ class Checkpointer:
         location = Path(location)
         if not location.exists():
             raise ValueError(f"--resume: {location} does not exist")
+        if not location.is_dir():
+            raise ValueError(f"--resume: {location} is a file; give a checkpoint folder (checkpoint.dir, or one "
+                             f"step-N folder in it)")
         named = _step_of(location) is not None or (location / MANIFEST).exists()  # one checkpoint, not a root
         if named:  # the user chose this step: use it or stop, never an older one in its place
             try:

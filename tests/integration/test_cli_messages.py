@@ -213,6 +213,22 @@ def test_a_negative_max_steps_is_named_as_the_option_given(capsys):
     assert capsys.readouterr().err == "neorec train: error: --max-steps must be >= 0 (0 = no limit), got -1\n"
 
 
+def test_option_mistakes_are_named_as_the_options(tmp_path, capsys):
+    """Errors named the functions' parameters (num_lines, skip_malformed), or missed the point."""
+    assert main(["data", "write-criteo", str(tmp_path / "x.tsv"), "--lines", "-5"]) == 2
+    assert "--lines must be >= 0, got -5" in capsys.readouterr().err
+    assert main(["data", "preprocess-criteo", str(tmp_path / "x.tsv"), "--num-embeddings", "1"]) == 2
+    assert "--num-embeddings must be >= 2" in capsys.readouterr().err
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\tnot a line\n")
+    assert main(["data", "preprocess-criteo", str(bad)]) == 2
+    assert "--skip-malformed" in capsys.readouterr().err
+    assert main(["train", "--config", str(TINY), "--resume", str(TINY)]) == 2  # was "no complete checkpoint in"
+    assert "--resume: " + str(TINY) + " is a file; give a checkpoint folder" in capsys.readouterr().err
+    assert main(["train", "--config", str(TINY), "--nproc", "1", "--plan", "x.json"]) == 2
+    assert "--plan needs several processes: --nproc 2 or more" in capsys.readouterr().err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]

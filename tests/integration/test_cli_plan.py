@@ -29,6 +29,7 @@ def test_plan_preset_writes_plan_report_and_chart(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "predicted iteration" in text and "QPS" in text and "gap" in text and "device GiB" in text
+    assert " million parameters) on zionex" in text  # was "M parameters"; "B" read as bytes
     plan = ShardingPlan.load(out)
     plan.validate([TableConfig(f"t_cat_{i}", r, 16) for i, r in enumerate(CRITEO_KAGGLE_ROWS)], 8)
     data = json.loads(report.read_text())

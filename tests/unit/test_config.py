@@ -37,6 +37,7 @@ def test_parse_override_types():
         ("train.steps=3", "did you mean 'train.max_steps' or"),  # the closest first
         ("embedding.optimizer.lr=0.1", "did you mean 'embedding.optimizer.learning_rate'"),  # other tools' names
         ("model.dim=8", "did you mean 'model.embedding_dim'"),
+        ("train.max_steps.x=5", "'train.max_steps' is a value, not a section"),  # was "must be an integer, got {'x': 5}"
         ("nosection.x=1", "unknown config key 'nosection'"),
         ("train.max_steps=1.5", "'train.max_steps' must be an integer"),
         ("train.progress=3", "must be true or false"),
