@@ -127,6 +127,21 @@ def test_default_toml_equals_builtin_defaults():
     assert load_config(CONFIG_DIR / "default.toml").to_dict() == Config().to_dict()
 
 
+def test_default_toml_lists_every_key():
+    """It is the reference of the keys: sections it left out (location, comm, criteo, movielens,
+    checkpoint) could only be found in the code."""
+    import tomllib
+
+    from neorec.config import iter_config_keys
+
+    values = tomllib.loads((CONFIG_DIR / "default.toml").read_text())
+    for key, _, _ in iter_config_keys():
+        node = values
+        for part in key.split("."):
+            assert part in node, f"configs/default.toml lacks {key}"
+            node = node[part]
+
+
 def test_config_round_trip_through_dict():
     cfg = load_config(None, ["train.seed=3"])
     assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
