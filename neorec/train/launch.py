@@ -125,15 +125,21 @@ def _ranks_ignore_ctrl_c():
     across exec, and Python then installs no KeyboardInterrupt handler). Ctrl-C in a terminal
     reaches every process of its group: the ranks, at any point of their start or training, said
     'interrupted' or printed a traceback beside the launcher; now the launcher alone answers it and
-    stops them (SIGTERM). Ctrl-C during the few milliseconds of the spawning itself is lost."""
+    stops them (SIGTERM). SIGINT is also blocked meanwhile: one that comes during the spawning
+    stays pending (Linux never discards a blocked signal) and reaches the launcher right after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    blocking = hasattr(signal, "pthread_sigmask")
+    if blocking:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if blocking:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is delivered here
 
 
 def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int:

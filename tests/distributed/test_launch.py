@@ -164,6 +164,36 @@ def test_ctrl_c_is_answered_by_the_launcher_alone():
         launcher.wait()
 
 
+WINDOW = """import os, signal, sys, time
+import neorec.train.launch as launch
+real = launch.subprocess.Popen
+def popen_then_ctrl_c(*args, **kwargs):
+    process = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the ranks are being started
+    time.sleep(0.2)
+    return process
+launch.subprocess.Popen = popen_then_ctrl_c
+try:
+    launch.launch_local(2, [], module="sleep_rank")
+except KeyboardInterrupt:
+    print("launcher interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.skipif(sys.platform.startswith("win"), reason="POSIX signals")
+def test_ctrl_c_while_the_ranks_start_is_not_lost():
+    """The launcher ignored SIGINT while it spawned the ranks (so that they inherit the ignoring):
+    a Ctrl-C in that window was lost, and the launcher and its ranks ran on (the full suite, loaded,
+    once timed out on it)."""
+    launcher = _start_launcher(WINDOW)
+    try:
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130 and "launcher interrupted" in err, err
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 def test_neorec_train_ranks_die_with_a_killed_launcher(tmp_path):
     """`kill -9` of `neorec train --nproc 2` (the launcher cannot clean up): its ranks stop too."""
