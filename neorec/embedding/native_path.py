@@ -54,6 +54,11 @@ class NativePath:
         self.module = module
         self._kernels: Optional[NativeKernels] = None
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the loaded library (a ctypes handle cannot be copied); it
+        is loaded again on first use."""
+        return {**self.__dict__, "_kernels": None}
+
     def kernels(self) -> NativeKernels:
         if self._kernels is None:
             m = self.module

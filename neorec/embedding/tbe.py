@@ -63,10 +63,12 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, module, lookups, batch_size):  # type: ignore[override]
         ctx.module, ctx.lookups = module, lookups
+        ctx.save_for_backward(anchor)  # freed by backward: a second backward raises, as autograd's own
         return module._pool(lookups, batch_size)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.saved_tensors  # "Trying to backward through the graph a second time" (it stepped the optimizer again)
         ctx.module._backward(ctx.lookups, grad_output)
         return None, None, None, None
 
@@ -159,6 +161,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self.register_buffer("replica_rounding_rng_state", self._replica_rounder.get_state())
             self.register_state_dict_pre_hook(_save_rounding_state)
             self.register_load_state_dict_post_hook(_load_rounding_state)
+        self._register_load_state_dict_pre_hook(_check_layout, with_module=True)
         self.kernel = check_kernel(kernel)
         self._triton = TritonPath(self)
         self._native = NativePath(self)
@@ -166,6 +169,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         # [num_rows] bool, layout row order: rows updated since the last take_modified_rows()
         # (Check-N-Run incremental checkpoints); None = not tracking (no cost)
         self.modified_rows: Optional[torch.Tensor] = None
+
+    def get_extra_state(self) -> dict:
+        """The tables behind the flat buffers (name, rows, dim, in buffer order), saved in
+        ``state_dict()`` and checked by ``load_state_dict``."""
+        return {"tables": _table_layout(self)}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass  # checked before loading, by _check_layout
 
     # ------------------------------------------------------------------------------ layout helpers
     @property
@@ -271,7 +282,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         length ("mean"), with ``w_i`` the KJT's per-value weights (1 without weights); an empty
         bag gives zeros. Returns a ``KeyedTensor`` with values [B, sum(feature_dims)] fp32
         (accumulated in fp32 whatever the storage precision). With grad enabled, the backward
-        of these values updates the touched rows in place."""
+        of these values updates the touched rows in place: each backward is one optimizer step,
+        and the tables take no part in ``requires_grad_`` (freeze them with ``torch.no_grad()``)."""
+        if features.values.is_floating_point():  # would be truncated to rows (or fail deep inside)
+            raise TypeError(f"KeyedJaggedTensor ids must be integers, got {features.values.dtype}")
         path = self.kernel_path()
         if path == "native":
             return KeyedTensor(self.feature_names, self.feature_dims, self._native.forward(features))
@@ -434,6 +448,26 @@ def replica_rounding_seed(seed: Optional[int]) -> Optional[int]:
     """The seed of the replicated rows' rounding generator: derived from the storage seed, the same
     on every rank, another stream than the shards'."""
     return None if seed is None else (int(seed) * 0x9E3779B1 + 0x5EB1CA) % 2**63
+
+
+def _table_layout(module: TableBatchedEmbeddingBags) -> List[List]:
+    return [[t.name, t.num_embeddings, t.embedding_dim] for t in module.tables]
+
+
+def _check_layout(module: TableBatchedEmbeddingBags, state_dict, prefix, local_metadata, strict, missing_keys,
+                  unexpected_keys, error_msgs) -> None:
+    """Before a state dict's flat buffers are copied in: they must hold the same tables in the same
+    order (same total size is not enough: rows would land in other tables without a word). A state
+    dict saved before the layout was recorded is taken as it is."""
+    key = prefix + "_extra_state"
+    if key not in state_dict:
+        state_dict[key] = {"tables": _table_layout(module)}
+        return
+    saved = [list(t) for t in state_dict[key].get("tables", [])]
+    if saved != _table_layout(module):
+        raise ValueError(f"load_state_dict: the state dict holds the tables {saved} (name, rows, dim, in buffer "
+                         f"order), this module {_table_layout(module)}; their rows cannot be loaded by position "
+                         f"(rebuild the module with the same tables in the same order)")
 
 
 def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_vars: bool) -> None:

@@ -52,8 +52,8 @@ class KeyedJaggedTensor:
         values: [N] integer ids, all features concatenated key by key.
         lengths: [len(keys) * batch_size] non-negative counts, key-major.
         weights: [N] float per-value weights, or None.
-        batch_size: samples per key; inferred from ``lengths`` when omitted (required when
-            there are no keys).
+        batch_size: samples per key; inferred from ``lengths`` when omitted (0 when there are
+            no keys: give it for a batch without sparse features).
         validate: check shapes, dtypes and lengths (one pass; on by default).
     """
 
@@ -66,6 +66,13 @@ class KeyedJaggedTensor:
         batch_size: Optional[int] = None,
         validate: bool = True,
     ) -> None:
+        if isinstance(keys, str):  # list("ab") would be the keys "a" and "b"
+            raise TypeError(f"KeyedJaggedTensor: keys must be a sequence of names, got the string {keys!r}")
+        for name, tensor in (("values", values), ("lengths", lengths), ("weights", weights)):
+            if tensor is not None and not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"KeyedJaggedTensor: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
+            raise TypeError(f"KeyedJaggedTensor: batch_size must be an int, got {batch_size!r}")
         self._keys: List[str] = list(keys)
         self._values = values
         self._lengths = lengths
@@ -195,6 +202,13 @@ class KeyedJaggedTensor:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self):
+        """The keys, as a dict's iteration gives them (``__getitem__`` takes keys, not positions)."""
+        return iter(list(self._keys))
+
     def __repr__(self) -> str:
         return (
             f"KeyedJaggedTensor(keys={self._keys}, batch_size={self._batch_size}, "
@@ -248,6 +262,9 @@ class KeyedJaggedTensor:
         return self.permute([self._keys.index(k) for k in keys])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
+        """The same ids, lengths and weights on ``device`` (a device only: ids stay integers)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"KeyedJaggedTensor.to moves to a device; got the dtype {device} (ids stay integers)")
         return KeyedJaggedTensor(
             self._keys,
             self._values.to(device, non_blocking=non_blocking),
@@ -314,6 +331,10 @@ class KeyedJaggedTensor:
                 f"KeyedJaggedTensor: values and lengths must be 1-D, got shapes "
                 f"{tuple(self._values.shape)} and {tuple(self._lengths.shape)}"
             )
+        devices = {t.device for t in (self._values, self._lengths, self._weights) if t is not None}
+        if len(devices) > 1:
+            raise ValueError(f"KeyedJaggedTensor: values, lengths and weights must be on one device, got "
+                             f"{sorted(str(d) for d in devices)}")
         if self._values.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"KeyedJaggedTensor: values must be int32/int64 ids, got {self._values.dtype}")
         if self._lengths.dtype not in (torch.int32, torch.int64):

@@ -153,3 +153,18 @@ def test_keyed_tensor_missing_key_is_a_key_error():
     kt = KeyedTensor(["x", "y"], [2, 3], torch.zeros(2, 5))
     with pytest.raises(KeyError, match=r"KeyedTensor has no key 'c'; keys are \['x', 'y'\]"):
         kt["c"]
+
+
+def test_membership_iteration_and_input_types():
+    """`"a" in kjt` raised KeyError('no key 0') (no __contains__ / __iter__ beside __getitem__);
+    a string of keys, lists, a fractional batch size and tensors on two devices were taken."""
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    assert "a" in kjt and "z" not in kjt and list(kjt) == ["a", "b"]
+    with pytest.raises(TypeError, match="keys must be a sequence of names, got the string 'ab'"):
+        KeyedJaggedTensor("ab", torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(TypeError, match="values must be a torch.Tensor, got list"):
+        KeyedJaggedTensor(["a"], [1], torch.tensor([1]))
+    with pytest.raises(TypeError, match="batch_size must be an int, got 2.5"):
+        KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]), batch_size=2.5)
+    with pytest.raises(ValueError, match=r"must be on one device, got \['cpu', 'meta'\]"):
+        KeyedJaggedTensor(["a"], torch.tensor([1], device="meta"), torch.tensor([1]))

@@ -1,0 +1,81 @@
+"""The fused embedding module used as a plain PyTorch module: state dicts, copies, backward
+semantics and the ids it accepts (found by an audit of the Python API).
+
+    python -m pytest tests/unit/embedding/test_module_semantics.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags, TableConfig
+from neorec.native.build import native_available
+from neorec.sparse import KeyedJaggedTensor
+
+SGD = SparseOptimizerConfig(kind="sgd", learning_rate=1.0)
+
+
+def module(tables, kernel="torch", **kwargs):
+    return TableBatchedEmbeddingBags(tables, SGD, kernel=kernel, **kwargs)
+
+
+def batch(keys=("a", "c"), ids=(1, 2)):
+    return KeyedJaggedTensor(list(keys), torch.tensor(ids), torch.ones(len(keys), dtype=torch.long))
+
+
+def test_a_state_dict_of_other_tables_is_refused_before_anything_is_copied():
+    """The flat buffers carried no layout: the same total size loaded "successfully" with rows in
+    other tables (here a and c swapped)."""
+    a_c = module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)])
+    c_a = module([TableConfig("c", 5, 4), TableConfig("a", 10, 4)], init_seed=1)
+    before = c_a.weights.clone()
+    with pytest.raises(ValueError, match=r"holds the tables \[\['a', 10, 4\], \['c', 5, 4\]\].*this module "
+                                         r"\[\['c', 5, 4\], \['a', 10, 4\]\]"):
+        c_a.load_state_dict(a_c.state_dict())
+    assert torch.equal(c_a.weights, before)
+    same = module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)], init_seed=2)
+    saved = io.BytesIO()
+    torch.save(a_c.state_dict(), saved)
+    saved.seek(0)
+    same.load_state_dict(torch.load(saved, weights_only=True))  # the layout survives a weights-only load
+    assert torch.equal(same.get_table_weight("a"), a_c.get_table_weight("a"))
+    legacy = {k: v for k, v in a_c.state_dict().items() if k != "_extra_state"}  # saved before the layout
+    same.load_state_dict(legacy)
+
+
+@pytest.mark.skipif(native_available() is not None, reason="native kernels unavailable")
+def test_copies_and_pickles_after_a_native_forward():
+    """The loaded C library's handle made deepcopy / torch.save(module) fail after the first forward."""
+    tbe = module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)], kernel="native")
+    tbe(batch()).values.sum().backward()
+    twin = copy.deepcopy(tbe)
+    assert torch.equal(twin(batch()).values, tbe(batch()).values)
+    torch.save(tbe, io.BytesIO())
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_a_second_backward_through_a_freed_graph_raises_and_steps_nothing(kernel):
+    """The torch path accepted it and stepped the optimizer a second time (the native one raised)."""
+    if kernel == "native" and native_available() is not None:
+        pytest.skip("native kernels unavailable")
+    tbe = module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)], kernel=kernel)
+    loss = tbe(batch()).values.sum()
+    loss.backward()
+    after_one = tbe.weights.clone()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    assert torch.equal(tbe.weights, after_one) and tbe.step_count == 1
+
+
+def test_float_ids_are_refused_not_truncated():
+    kjt = batch()
+    with pytest.raises(TypeError, match="moves to a device; got the dtype torch.float32"):
+        kjt.to(torch.float32)
+    floats = KeyedJaggedTensor(["a", "c"], torch.tensor([1.7, 2.0]), torch.ones(2, dtype=torch.long), validate=False)
+    for kernel in ["torch"] + (["native"] if native_available() is None else []):
+        with pytest.raises(TypeError, match="ids must be integers, got torch.float32"):
+            module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)], kernel=kernel)(floats)
