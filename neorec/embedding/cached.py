@@ -535,20 +535,36 @@ def cached_collections(model: nn.Module) -> List[CachedEmbeddingBagCollection]:
     return [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
 
 
-def with_prefetch(items, model: nn.Module, sparse_of=lambda batch: batch.sparse):
+def with_prefetch(items, model: nn.Module, sparse_of=lambda batch: batch.sparse, max_items: Optional[int] = None):
     """Yield ``items`` (batches, or anything ``sparse_of`` maps to a KeyedJaggedTensor) one ahead:
     before item ``i`` is yielded, the cached collections of ``model`` are told to prefetch the rows
-    of item ``i + 1`` (loaded while ``i`` trains). Without cached tables items pass through."""
+    of item ``i + 1`` (loaded while ``i`` trains). At most ``max_items`` are yielded and nothing is
+    prefetched past them (a prefetch moves rows in the cache, and rounds those it evicts into a
+    low-precision store). Item ``i + 1`` failing to load is raised after item ``i`` has been used.
+    Without cached tables items pass through."""
     collections = [c for c in cached_collections(model) if c.caches]
-    if not collections:
-        yield from items
-        return
     iterator = iter(items)
-    current = next(iterator, None)
+    count = 0
+    if not collections:
+        for item in iterator:
+            if max_items is not None and count >= max_items:
+                return
+            count += 1
+            yield item
+        return
+    current = next(iterator, None) if max_items is None or max_items > 0 else None
     while current is not None:
-        following = next(iterator, None)
+        count += 1
+        following, error = None, None
+        if max_items is None or count < max_items:
+            try:
+                following = next(iterator, None)
+            except Exception as exc:
+                error = exc
         if following is not None:
             for collection in collections:
                 collection.prefetch(sparse_of(following))
         yield current
+        if error is not None:
+            raise error
         current = following

@@ -13,7 +13,8 @@ it off):
         hooks.after_backward()   # the header is in: launches the ids exchange
         optimizer.step()
 
-The look-ahead, per step i:
+The look-ahead, per step i (an error of batch i + 1's loading or launch is raised after step i,
+which trains as it would in the plain loop):
 
 1. before batch i is handed out, batch i + 1 is taken from ``items`` (a ``PrefetchLoader`` thread
    prepares it) and moved to the device; every ``CachedEmbeddingBagCollection`` of the model is
@@ -27,8 +28,9 @@ The look-ahead, per step i:
    its own. Neither stage blocks on the other ranks when they are in flight long enough.
 
 Why the results are bit-identical to the plain loop: the input all-to-all moves ids, lengths and
-per-id weights only, which no update changes; the prefetch only decides where a row sits in the
-cache, never its value; every rank runs the same sequence of collectives (same order), so the
+per-id weights only, which no update changes; cached rows are prefetched by both loops alike
+(``embedding.location.prefetch``, never past the last step): a prefetch decides where a row sits
+in the cache and, with a low-precision store, when an evicted row is rounded into it; every rank runs the same sequence of collectives (same order), so the
 exchanges match up. Floating-point arithmetic is unchanged, so losses and weights are equal bit
 for bit (tested in ``tests/unit/train/test_pipeline.py`` and ``tests/distributed/test_pipeline_and_qcomm.py``).
 """
@@ -88,7 +90,11 @@ class StepHooks:
             raise RuntimeError("TrainPipeline: after_forward() called twice for one step")
         self._stage = 1
         if self._batch is not None:
-            self._pipeline._launch(self._batch)
+            try:
+                self._pipeline._launch(self._batch)
+            except Exception as exc:  # the NEXT batch is bad (an id outside its table): this step
+                self._pipeline._deferred = exc  # trains, then the error stops the run (as the plain loop)
+                self._batch = None
 
     def after_backward(self) -> None:
         if self._stage != 1:
@@ -106,8 +112,8 @@ class TrainPipeline:
         device: where batches go before the step (``Batch.to``).
         timeline: optional ``StepTimeline``; the time spent waiting for the next batch is added to
             its ``data_loading`` phase and the launch of the next input all-to-all to ``input_dist``.
-        prefetch_cached_rows: tell cached collections to prefetch the next batch's rows (on by
-            default; the plain loop does it only with ``embedding.location.prefetch``).
+        prefetch_cached_rows: tell cached collections to prefetch the next batch's rows (the
+            trainer passes ``embedding.location.prefetch``, which the plain loop follows too).
     """
 
     def __init__(self, model: nn.Module, device: torch.device | str, timeline=None,
@@ -118,6 +124,7 @@ class TrainPipeline:
         self._sharded = sharded_collections(model)
         self._cached = [c for c in cached_collections(model) if c.caches] if prefetch_cached_rows else []
         self.num_launched = 0  # input all-to-alls launched ahead (for tests and reports)
+        self._deferred: Optional[BaseException] = None  # the look-ahead's error, raised after the step
 
     def run(self, items: Iterable[Tuple[Batch, Any]],
             max_items: Optional[int] = None) -> Iterator[Tuple[Batch, Any, StepHooks]]:
@@ -133,7 +140,12 @@ class TrainPipeline:
         count = 1
         try:
             while current is not None:
-                following = self._next(iterator) if max_items is None or count < max_items else None
+                following = None
+                if max_items is None or count < max_items:
+                    try:
+                        following = self._next(iterator)
+                    except Exception as exc:  # batch i + 1 failed to load: batch i trains first, as in
+                        self._deferred = exc   # the plain loop (its step and checkpoint are not lost)
                 count += 1
                 if following is not None:
                     for collection in self._cached:
@@ -142,6 +154,9 @@ class TrainPipeline:
                 else:
                     hooks = StepHooks(self, None)
                 yield current[0], current[1], hooks
+                if self._deferred is not None:
+                    error, self._deferred = self._deferred, None
+                    raise error
                 current = following
         finally:
             self.close()

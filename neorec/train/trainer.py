@@ -455,10 +455,11 @@ class Trainer:
         """(batch on the device, global batch size, StepHooks or None) per step: through
         ``TrainPipeline`` (``train.pipeline``; ``max_steps``: it loads no batch past them) or the
         plain loop."""
+        prefetch = self.cfg.embedding.location.prefetch
         if self.cfg.train.pipeline:
-            return TrainPipeline(self.model, self.device, self.timeline).run(loader, max_steps)
-        items = with_prefetch(loader, self.model, lambda item: item[0].sparse) \
-            if self.cfg.embedding.location.prefetch else loader
+            return TrainPipeline(self.model, self.device, self.timeline,
+                                 prefetch_cached_rows=prefetch).run(loader, max_steps)
+        items = with_prefetch(loader, self.model, lambda item: item[0].sparse, max_steps) if prefetch else loader
         return plain_steps(items, self.device, self.timeline)
 
     def _report_timeline(self, writes: Optional[Path], train_comm) -> None:

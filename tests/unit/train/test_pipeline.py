@@ -21,7 +21,7 @@ from neorec.train.pipeline import TrainPipeline
 from neorec.train.trainer import Trainer
 
 CACHED = ['embedding.location.default="cached_dram"', "embedding.location.cache_rows=192",
-          "embedding.location.ways=8", "embedding.location.min_rows=100"]
+          "embedding.location.ways=8", "embedding.location.min_rows=100", "embedding.location.prefetch=true"]
 
 
 def small_config(directory, pipeline: bool, overrides=()):
@@ -73,10 +73,74 @@ def test_pipelined_trainer_equals_plain_loop_bit_for_bit(tmp_path, placement):
     for a, b in zip(dense_parameters(plain.model), dense_parameters(piped.model)):
         assert torch.equal(a, b)
     if placement == "cached":
-        stats = cached_collections(piped.model)[0].cache_stats()
-        assert sum(s["prefetch_requests"] for s in stats.values()) > 0  # the pipeline prefetched
-        assert sum(s["prefetch_requests"] for s in cached_collections(plain.model)[0].cache_stats().values()) == 0
-        assert sum(s["evictions"] for s in stats.values()) > 0  # the cache is small enough to evict
+        for trainer in (plain, piped):  # both loops prefetched (embedding.location.prefetch)
+            stats = cached_collections(trainer.model)[0].cache_stats()
+            assert sum(s["prefetch_requests"] for s in stats.values()) > 0
+            assert sum(s["evictions"] for s in stats.values()) > 0  # the cache is small enough to evict
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_pipelined_equals_plain_with_a_low_precision_store_and_max_steps_mid_epoch(tmp_path, prefetch):
+    """An fp16 store rounds each evicted row, so when rows are evicted changes values: the pipeline
+    prefetched whatever embedding.location.prefetch said (records differed from step 3 with it off),
+    and the plain loop prefetched the batch after the last step (the final evaluation differed)."""
+    overrides = [*CACHED[:-1], f"embedding.location.prefetch={str(prefetch).lower()}",
+                 'embedding.location.precision="fp16"', "train.max_steps=30", "train.eval_every_steps=0"]
+    results = {}
+    for pipeline in (False, True):
+        directory = tmp_path / f"{prefetch}_{pipeline}"
+        trainer = Trainer(small_config(directory, pipeline, overrides), out=io.StringIO())
+        results[pipeline] = (trainer.fit().final_eval, losses(directory), table_rows(trainer))
+        requests = sum(s["prefetch_requests"] for s in cached_collections(trainer.model)[0].cache_stats().values())
+        assert (requests > 0) == prefetch
+    (plain_eval, plain_losses, plain_rows), (piped_eval, piped_losses, piped_rows) = results[False], results[True]
+    assert len(plain_losses) == 30 and plain_losses == piped_losses and plain_eval == piped_eval
+    for name in plain_rows:
+        assert torch.equal(plain_rows[name], piped_rows[name]), name
+
+
+def test_a_batch_that_fails_to_load_or_launch_stops_the_run_after_the_step_before_it(tmp_path):
+    """The pipeline fetches batch i + 1 (and launches its exchange) during step i: an error there
+    threw step i away (and with it a checkpoint due at that step); the plain loop trains it first."""
+    trainer = Trainer(small_config(tmp_path, True), out=io.StringIO())
+    sparse = next(iter(trainer.source.eval_batches(2))).sparse
+    batches = [(Batch(torch.randn(2, 3), sparse, torch.zeros(2)), i) for i in range(4)]
+
+    def failing_at(index):
+        for item in batches:
+            if item[1] == index:
+                raise OSError(f"read error in batch {index}")
+            yield item
+
+    trained = []
+    with pytest.raises(OSError, match="read error in batch 2"):
+        for _, extra, hooks in TrainPipeline(trainer.model, "cpu").run(failing_at(2)):
+            trained.append(extra)
+    assert trained == [0, 1]
+
+    class BadLaunch:  # a sharded collection whose launch of batch 2 (its second) finds a bad id
+        launches = 0
+
+        def launch_input_dist(self, kjt):
+            self.launches += 1
+            if self.launches == 2:
+                raise ValueError("id outside its table in batch 2")
+
+        def progress_launched_input_dist(self):
+            pass
+
+        def drop_launched_input_dist(self):
+            pass
+
+    pipeline = TrainPipeline(trainer.model, "cpu")
+    pipeline._sharded = [BadLaunch()]
+    trained = []
+    with pytest.raises(ValueError, match="id outside its table in batch 2"):
+        for _, extra, hooks in pipeline.run(batches):
+            hooks.after_forward()
+            hooks.after_backward()
+            trained.append(extra)
+    assert trained == [0, 1]
 
 
 def test_pipeline_yields_every_batch_once_in_order_and_hooks_are_single_use(tmp_path):
