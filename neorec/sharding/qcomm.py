@@ -12,18 +12,20 @@ into bytes, the all-to-all moves uint8, the receiver decodes back to fp32):
 - ``fp16``: 2 bytes per value plus one fp32 scale per block: a power of two chosen from the
   block's largest finite magnitude so that it lands in [2^14, 2^15). This is automatic loss
   scaling done per message: small gradients (of a loss averaged over a large batch) are lifted out
-  of fp16's subnormal range, large values never overflow, and the scaling is exact (a power of
-  two), so no step is ever skipped. Relative error <= 2^-11 for every value of magnitude >= 2^-28
+  of fp16's subnormal range, large values do not overflow (except finite values within 2^-11 of
+  fp32's largest, about 3.4e38, which may round up to +-inf: only a diverged run holds them), and
+  the scaling is exact (a power of two), so no step is ever skipped. Relative error <= 2^-11 for every value of magnitude >= 2^-28
   of the block's largest (those land on fp16 normals); smaller ones (fp16 subnormals after
   scaling): absolute error <= 2^-39 times the largest.
 - ``bf16``: 2 bytes per value (fp32's exponent range: no scaling needed). Relative error <= 2^-8
   for values of magnitude >= 2^-126; smaller ones (subnormals, where bf16 keeps fewer bits):
   absolute error <= 2^-133 (finite values beyond bf16's largest, about +-3.39e38, become +-inf).
-- ``int8``: row-wise: each row's min and step (max - min) / 255, two fp32 per row, then one uint8
+- ``int8``: row-wise: each row's min and step (max - min) / 255 (rounded up to the next fp32 where
+  255 steps would fall short of the span: rows of subnormals), two fp32 per row, then one uint8
   per value rounded to nearest. Absolute error <= (max - min) / 510 + ulp(max |x|) per row (half a
-  step, plus one fp32 ulp of the row's largest magnitude for the fp32 arithmetic of the step and
-  of the decoding, which matters for rows whose spread is only a few hundred ulps; a constant row
-  is exact). Bytes per row: dim + 8.
+  step, plus one fp32 ulp of the row's largest magnitude, at least the subnormal spacing 2^-149,
+  for the fp32 arithmetic of the step and of the decoding, which matters for rows whose spread is
+  only a few hundred ulps; a constant row is exact). Bytes per row: dim + 8.
 
 Non-finite values (NaN, +-inf) are passed on, never refused, by every codec: fp32, fp16 and bf16
 element by element (NaN as NaN, +-inf as +-inf), int8 row by row (a row holding one, or whose
@@ -154,6 +156,8 @@ class Int8RowwiseCodec(Codec):
             return torch.zeros(self.num_bytes(rows, dim), dtype=torch.uint8, device=block.device)
         low, high = block.aminmax(dim=1)
         step = (high - low) / 255.0
+        # a span of a few subnormals: the step rounded down (or to 0) would not reach the row's max
+        step = torch.where(step * 255.0 < high - low, torch.nextafter(step, torch.full_like(step, float("inf"))), step)
         # NaN / +-inf in the row, or a span beyond fp32's range (the step is inf): all NaN decoded
         finite = torch.isfinite(step)
         step = torch.where(step > 0, step, torch.ones_like(step))

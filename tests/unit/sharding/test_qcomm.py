@@ -96,8 +96,8 @@ def test_fp16_large_values_do_not_overflow():
 
 
 def ulp(values: torch.Tensor) -> torch.Tensor:
-    """fp32's unit in the last place of each of ``values``."""
-    return torch.ldexp(torch.ones_like(values), torch.frexp(values)[1] - 24)
+    """fp32's unit in the last place of each of ``values`` (2^-149 among subnormals)."""
+    return torch.ldexp(torch.ones_like(values), (torch.frexp(values)[1] - 24).clamp_min(-149))
 
 
 def int8_bound(block: torch.Tensor) -> torch.Tensor:
@@ -114,6 +114,17 @@ def test_int8_within_half_a_step_of_each_row_range():
         assert bool(((got - block).abs() <= bound).all())
         assert bool(((got - block).abs() <= int8_bound(block)).all())
         assert not torch.equal(got, block)  # it did quantize
+
+
+def test_int8_bound_on_rows_of_subnormals():
+    """A span of a few hundred subnormals: the step (span / 255) rounded down to the subnormal grid
+    (or to 0) did not reach the row's max: 300 ulps came back as 255 (45x the bound)."""
+    tiny = 2.0 ** -149
+    spans = torch.tensor([1, 7, 254, 255, 256, 300, 511, 1000, 70000])
+    block = torch.stack([torch.linspace(0, 1, 9) * float(n) * tiny for n in spans])
+    block[:, -1] = spans.float() * tiny  # the exact max
+    error = (round_trip("int8", block) - block).abs()
+    assert bool((error <= int8_bound(block)).all()), (error / int8_bound(block)).max()
 
 
 def test_int8_bound_on_rows_spread_over_a_few_hundred_ulps():
