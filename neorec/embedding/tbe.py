@@ -31,6 +31,7 @@ kernels (``native_path.py``: CPU fp32 weights, the default there) and the Triton
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -161,6 +162,9 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self.register_buffer("replica_rounding_rng_state", self._replica_rounder.get_state())
             self.register_state_dict_pre_hook(_save_rounding_state)
             self.register_load_state_dict_post_hook(_load_rounding_state)
+        # the tables behind the flat buffers (name, rows, dim, in buffer order), as UTF-8 JSON: saved
+        # by state_dict(), checked by load_state_dict before any buffer is copied (_check_layout)
+        self.register_buffer("table_layout", _layout_bytes(self))
         self._register_load_state_dict_pre_hook(_check_layout, with_module=True)
         self.kernel = check_kernel(kernel)
         self._triton = TritonPath(self)
@@ -169,14 +173,6 @@ class TableBatchedEmbeddingBags(nn.Module):
         # [num_rows] bool, layout row order: rows updated since the last take_modified_rows()
         # (Check-N-Run incremental checkpoints); None = not tracking (no cost)
         self.modified_rows: Optional[torch.Tensor] = None
-
-    def get_extra_state(self) -> dict:
-        """The tables behind the flat buffers (name, rows, dim, in buffer order), saved in
-        ``state_dict()`` and checked by ``load_state_dict``."""
-        return {"tables": _table_layout(self)}
-
-    def set_extra_state(self, state: dict) -> None:
-        pass  # checked before loading, by _check_layout
 
     # ------------------------------------------------------------------------------ layout helpers
     @property
@@ -284,7 +280,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         (accumulated in fp32 whatever the storage precision). With grad enabled, the backward
         of these values updates the touched rows in place: each backward is one optimizer step,
         and the tables take no part in ``requires_grad_`` (freeze them with ``torch.no_grad()``)."""
-        if features.values.is_floating_point():  # would be truncated to rows (or fail deep inside)
+        if isinstance(features, KeyedJaggedTensor) and features.values.is_floating_point():  # else truncated to rows
             raise TypeError(f"KeyedJaggedTensor ids must be integers, got {features.values.dtype}")
         path = self.kernel_path()
         if path == "native":
@@ -454,16 +450,23 @@ def _table_layout(module: TableBatchedEmbeddingBags) -> List[List]:
     return [[t.name, t.num_embeddings, t.embedding_dim] for t in module.tables]
 
 
+def _layout_bytes(module: TableBatchedEmbeddingBags) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(_table_layout(module)).encode()), dtype=torch.uint8).clone()
+
+
 def _check_layout(module: TableBatchedEmbeddingBags, state_dict, prefix, local_metadata, strict, missing_keys,
                   unexpected_keys, error_msgs) -> None:
     """Before a state dict's flat buffers are copied in: they must hold the same tables in the same
     order (same total size is not enough: rows would land in other tables without a word). A state
     dict saved before the layout was recorded is taken as it is."""
-    key = prefix + "_extra_state"
+    key = prefix + "table_layout"
     if key not in state_dict:
-        state_dict[key] = {"tables": _table_layout(module)}
+        state_dict[key] = module.table_layout
         return
-    saved = [list(t) for t in state_dict[key].get("tables", [])]
+    try:
+        saved = json.loads(bytes(state_dict[key].cpu().tolist()).decode())
+    except (ValueError, TypeError, AttributeError):
+        saved = None
     if saved != _table_layout(module):
         raise ValueError(f"load_state_dict: the state dict holds the tables {saved} (name, rows, dim, in buffer "
                          f"order), this module {_table_layout(module)}; their rows cannot be loaded by position "

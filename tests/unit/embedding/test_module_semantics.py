@@ -43,7 +43,7 @@ def test_a_state_dict_of_other_tables_is_refused_before_anything_is_copied():
     saved.seek(0)
     same.load_state_dict(torch.load(saved, weights_only=True))  # the layout survives a weights-only load
     assert torch.equal(same.get_table_weight("a"), a_c.get_table_weight("a"))
-    legacy = {k: v for k, v in a_c.state_dict().items() if k != "_extra_state"}  # saved before the layout
+    legacy = {k: v for k, v in a_c.state_dict().items() if k != "table_layout"}  # saved before the layout
     same.load_state_dict(legacy)
 
 

@@ -166,7 +166,7 @@ def test_collection_exposes_features_and_matches_its_tbe():
     kjt = make_batch(tables, 5, torch.Generator().manual_seed(1), weighted=False)
     out = collection(kjt)
     assert torch.equal(out.values, collection.tbe(kjt).values)
-    assert set(collection.state_dict()) == {"tbe.weights", "tbe.momentum1", "tbe.step"}
+    assert set(collection.state_dict()) == {"tbe.weights", "tbe.momentum1", "tbe.step", "tbe.table_layout"}
 
 
 def test_state_dict_round_trip_resumes_bit_for_bit():
