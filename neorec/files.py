@@ -73,6 +73,22 @@ class LockHeld(Exception):
         self.holder = holder
 
 
+DIR_LOCK = ".neorec.lock"
+
+
+def hold_dir(path: str | os.PathLike, what: str) -> Optional[int]:
+    """Lock the folder ``path`` for this run (``lock_file`` on ``<path>/.neorec.lock``): the
+    descriptor to close when done, or None on a file system without locks. Held by another process:
+    ValueError naming ``what`` (the setting) and that process."""
+    try:
+        return lock_file(Path(path) / DIR_LOCK)
+    except LockHeld as exc:
+        raise ValueError(f"{what} {str(path)!r} is in use by another run (process {exc.holder}): give this run "
+                         f"another {what}, or wait for that one to end") from None
+    except OSError:  # no locks on this file system: go on without
+        return None
+
+
 def lock_file(path: str | os.PathLike, on_wait: Optional[Callable[[str], None]] = None) -> int:
     """Take an exclusive ``flock`` on ``path`` (created, with its folder); returns the descriptor
     that holds it (``os.close`` releases it; the kernel does when the process ends) and writes this

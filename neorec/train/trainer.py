@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from neorec.config import Config, DenseOptimizerConfig
 from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
-from neorec.files import ensure_writable_dir, write_atomic
+from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
 from neorec.model import DLRM, dense_parameters
@@ -337,7 +338,24 @@ class Trainer:
         """Train for ``train.epochs`` epochs (or ``train.max_steps`` steps, whichever ends first),
         then evaluate. Training QPS counts training samples over training wall time (data
         loading and checkpoint saves included, evaluation excluded), in the ``train`` records as
-        in the ``final`` one."""
+        in the ``final`` one. ``train.output_dir`` and ``checkpoint.dir`` are locked meanwhile: a
+        second run writing to either is refused (two runs interleaved their logs and checkpoints)."""
+        locks = []
+        try:
+            if self.is_main:
+                held = set()
+                for path, what in ((self.cfg.train.output_dir, "train.output_dir"),
+                                   (self.cfg.checkpoint.dir, "checkpoint.dir")):
+                    if path and Path(path).resolve() not in held:
+                        held.add(Path(path).resolve())
+                        locks.append(hold_dir(path, what))
+            return self._fit()
+        finally:
+            for fd in locks:
+                if fd is not None:
+                    os.close(fd)
+
+    def _fit(self) -> TrainResult:
         cfg = self.cfg.train
         writes = self.output_dir if self.is_main else None  # rank 0 alone logs
         global_batch_size = self.cfg.data.batch_size * self.world_size

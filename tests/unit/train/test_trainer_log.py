@@ -130,3 +130,25 @@ def test_the_summary_of_a_resumed_run_says_which_steps_it_trained(capsys):
 
     _print_result(TrainResult(steps=70, samples=5120, train_seconds=2.0, qps=2560.0, first_step=50))
     assert "training: 70 steps (20 after resuming at step 50), 5,120 samples in 2.0 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setting", ["train.output_dir", "checkpoint.dir"])
+def test_a_second_run_on_the_same_output_or_checkpoint_folder_is_refused(tmp_path, setting):
+    """Two runs on one folder interleaved metrics.jsonl (torn lines, two final records) or
+    overwrote and pruned each other's checkpoints while both reported them saved."""
+    import os
+
+    from neorec.files import DIR_LOCK, lock_file
+
+    folder = tmp_path / "run" if setting == "train.output_dir" else tmp_path / "ckpt"
+    trainer = make_trainer(tmp_path, "train.max_steps=2", f"checkpoint.dir='{tmp_path / 'ckpt'}'")
+    other_run = lock_file(folder / DIR_LOCK)  # what the first run holds while it trains
+    try:
+        with pytest.raises(ValueError, match=f"{setting} '{folder}' is in use by another run \\(process {os.getpid()}\\)"):
+            trainer.fit()
+    finally:
+        os.close(other_run)
+    assert trainer.fit().steps == 2  # free again: this run goes on
+    again = make_trainer(tmp_path, "train.max_steps=3", f"checkpoint.dir='{tmp_path / 'ckpt'}'",
+                         resume=str(tmp_path / "ckpt"))
+    assert again.fit().steps == 3  # a run's own locks are released when it ends
