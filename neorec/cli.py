@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import shlex
 import signal
@@ -26,6 +27,7 @@ from typing import List, Optional, Sequence
 
 EXIT_USAGE = 2  # the command as given cannot run: bad option, config, input file or folder
 EXIT_FAILED = 1  # it ran and failed: training diverged (non-finite loss), an unforeseen error
+_FAILED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # OSErrors of a run that failed (a full disk)
 
 
 def _config_keys_help() -> str:
@@ -494,6 +496,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if show_traceback:
             raise
         print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
+        if isinstance(exc, OSError) and exc.errno in _FAILED_ERRNOS:
+            return EXIT_FAILED  # a full disk, an I/O error: the run failed, the command was fine
         return getattr(exc, "exit_code", EXIT_USAGE)  # a diverged run failed (1); it was not misused
     except KeyboardInterrupt:
         ranks = "; stopped every rank" if (getattr(args, "nproc", None) or 1) > 1 and not where else ""

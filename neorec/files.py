@@ -24,6 +24,9 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # named by the file being written, not by its temporary
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)  # no half-written temporary left behind
         raise

@@ -160,13 +160,19 @@ class MetricsLog:
         if self._file is not None:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in record.items()}  # NaN (an undefined metric) -> null: strict JSON
-            self._file.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
+                self._file.flush()
+            except OSError as exc:  # a full disk: name the file; the log is not written again
+                file, self._file = self._file, None
+                with contextlib.suppress(OSError):
+                    file.close()
+                raise OSError(exc.errno, f"{exc.strerror} (writing the metrics log)", file.name) from None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            file.close()
 
 
 class Trainer:

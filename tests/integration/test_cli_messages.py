@@ -229,6 +229,40 @@ def test_option_mistakes_are_named_as_the_options(tmp_path, capsys):
     assert "--plan needs several processes: --nproc 2 or more" in capsys.readouterr().err
 
 
+def test_a_full_disk_during_training_names_the_file_and_exits_1(tmp_path, monkeypatch, capsys):
+    """It said "[Errno 28] No space left on device" with no file, and the usage exit code 2."""
+    import errno
+
+    import neorec.train.trainer as trainer_module
+
+    real_write = trainer_module.MetricsLog.write
+    calls = {"n": 0}
+
+    def fill_up(self, record):
+        calls["n"] += 1
+        if calls["n"] == 3 and self._file is not None:
+            real_file = self._file
+
+            class Full:
+                name = real_file.name
+
+                def write(self, text):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                def close(self):
+                    real_file.close()
+
+            self._file = Full()
+        return real_write(self, record)
+
+    monkeypatch.setattr(trainer_module.MetricsLog, "write", fill_up)
+    rc = main(["train", "--config", str(TINY), "--no-progress", "--output-dir", str(tmp_path / "run"),
+               "--set", "train.log_every_steps=1", "--max-steps", "5"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "No space left on device (writing the metrics log): " in err and str(tmp_path / "run" / "metrics.jsonl") in err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]

@@ -23,8 +23,10 @@ def test_failed_write_atomic_leaves_the_old_file_and_no_temporary(tmp_path, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", refuse)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="No space left") as caught:
         write_atomic(target, "new")
+    assert caught.value.filename == str(target) and caught.value.errno == 28  # was pathless
+    assert str(target) in str(caught.value)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
