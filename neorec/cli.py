@@ -204,6 +204,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
             print(f"neorec train: stopped after step {trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
             raise
+        except BrokenPipeError:  # `neorec train | tee log` and tee died: not a silent stop
+            print(f"neorec train: standard output was closed (its reader went away); stopped after step "
+                  f"{trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
+            raise
     _print_result(result)
     return 0
 

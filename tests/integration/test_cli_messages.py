@@ -263,6 +263,19 @@ def test_a_full_disk_during_training_names_the_file_and_exits_1(tmp_path, monkey
     assert "No space left on device (writing the metrics log): " in err and str(tmp_path / "run" / "metrics.jsonl") in err
 
 
+def test_training_whose_output_reader_goes_away_says_where_it_stopped(tmp_path):
+    """`neorec train | head` (or a dying tee): the run stopped with exit 1 and not a word."""
+    import sys
+
+    command = (f"{shlex.quote(sys.executable)} -m neorec train --config {shlex.quote(str(TINY))} "
+               f"--output-dir {shlex.quote(str(tmp_path / 'run'))} --set train.epochs=50 "
+               f"--set checkpoint.dir={shlex.quote(repr(str(tmp_path / 'ckpt')))} --set checkpoint.every_steps=5 "
+               f"2>{shlex.quote(str(tmp_path / 'err.txt'))} | head -c 200 >/dev/null")
+    subprocess.run(["bash", "-c", command], cwd=ROOT, timeout=300)
+    err = (tmp_path / "err.txt").read_text()
+    assert "standard output was closed (its reader went away); stopped after step " in err, err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]
