@@ -175,6 +175,9 @@ class MetricsLog:
             file.close()
 
 
+PROGRESS_LINE_SECONDS = 30.0  # progress to a file or pipe: one plain line at most this often
+
+
 class Trainer:
     """Trains ``DLRM``: forward, BCE loss, backward (the embedding optimizer runs fused inside it),
     dense optimizer step; evaluates NE / AUC / calibration periodically.
@@ -392,8 +395,12 @@ class Trainer:
             print(f"nothing left to train: resumed at step {self.step}, and the run ends at step {total_steps} "
                   f"(train.max_steps {cfg.max_steps or 'unset'}, train.epochs {cfg.epochs}); evaluating only",
                   file=self.out, flush=True)
-        bar = tqdm(total=total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), file=self.out,
+        terminal = bool(getattr(self.out, "isatty", lambda: False)())
+        show = cfg.progress and self.is_main
+        # a bar redraws with "\r" on one line: on a terminal; to a file or pipe, a plain line now and then
+        bar = tqdm(total=total_steps, initial=self.step, disable=not (show and terminal), file=self.out,
                    unit="step", dynamic_ncols=True, mininterval=0.5)
+        self._progress_lines = {"on": show and not terminal, "last": time.perf_counter(), "total": total_steps}
         samples, eval_seconds, first_step = 0, 0.0, self.step
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
         start = step_start = time.perf_counter()
@@ -500,7 +507,12 @@ class Trainer:
         qps = window["samples"] / max(now - window["start"], 1e-9)
         loss = window["loss"] / max(window["steps"], 1)
         log.write({"kind": "train", "step": self.step, "epoch": epoch, "loss": loss, "qps": qps})
-        bar.set_postfix(loss=f"{loss:.4f}", qps=f"{qps:,.0f}")
+        bar.set_postfix(loss=f"{loss:.4f}", qps=f"{qps:,.0f}", refresh=False)  # drawn at the bar's own pace
+        lines = self._progress_lines
+        if lines["on"] and now - lines["last"] >= PROGRESS_LINE_SECONDS:
+            lines["last"] = now
+            total = f"/{lines['total']:,}" if lines["total"] else ""
+            print(f"step {self.step:,}{total}: loss {loss:.4f}, {qps:,.0f} samples/s", file=self.out, flush=True)
         window.update(samples=0, loss=0.0, steps=0, start=now)
 
 

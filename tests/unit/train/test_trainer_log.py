@@ -152,3 +152,13 @@ def test_a_second_run_on_the_same_output_or_checkpoint_folder_is_refused(tmp_pat
     again = make_trainer(tmp_path, "train.max_steps=3", f"checkpoint.dir='{tmp_path / 'ckpt'}'",
                          resume=str(tmp_path / "ckpt"))
     assert again.fit().steps == 3  # a run's own locks are released when it ends
+
+
+def test_progress_to_a_file_is_plain_lines_not_a_redrawn_bar(tmp_path, monkeypatch):
+    """Into a file or pipe the bar was one ever-growing line of "\\r" redraws (one per log record)."""
+    monkeypatch.setattr(trainer_module, "PROGRESS_LINE_SECONDS", 0.0)
+    out = io.StringIO()  # not a terminal
+    make_trainer(tmp_path, "train.progress=true", "train.max_steps=6", out=out).fit()
+    text = out.getvalue()
+    assert "\r" not in text
+    assert "step 3/6: loss " in text and "step 6/6: loss " in text and "samples/s" in text
