@@ -101,8 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         from neorec.planner.calibrate import calibrate
 
-        if args.calibration_out and Path(args.calibration_out).is_dir():  # before measuring, not after
-            raise ValueError(f"plan: --calibration-out {args.calibration_out} is a directory; give a file name")
+        _check_calibration_target(args.calibration_out)  # before measuring, not after
         calibrate(args.calibrate_ranks, args.calibration_out)
         return 0
     if args.model is None and args.tables is None:
@@ -214,6 +213,28 @@ def _print_ranks(result, all_ranks: bool) -> None:
               f"{r.cost.total * 1e3:>9.3f}")
     if len(shown) < len(ranks):
         print(f"({len(shown)} of {len(ranks)} ranks: the slowest and the fastest; --all-ranks prints all)")
+
+
+def _check_calibration_target(out) -> None:
+    """The file ``--calibrate`` will write (``--calibration-out``, else the default place) can be
+    written: a directory, or a folder that cannot be made or written, is said before measuring."""
+    import os
+
+    from neorec.planner.topology import default_calibration_path
+
+    path = Path(out) if out else default_calibration_path()
+    given = "--calibration-out" if out else ("NEOREC_CALIBRATION" if os.environ.get("NEOREC_CALIBRATION")
+                                             else "the default place")
+    if path.is_dir():
+        raise ValueError(f"plan: {given} {path} is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".neorec-write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"plan: cannot write the calibration to {path} ({given}): {exc.strerror or exc}; give "
+                         f"--calibration-out FILE or set NEOREC_CALIBRATION") from None
 
 
 def training_topology(world_size: int, ranks_per_node: int, out=None):

@@ -157,12 +157,13 @@ def dgx_h100(num_nodes: int = 1) -> Topology:
 
 
 def default_calibration_path() -> Path:
-    """Where ``neorec plan --calibrate`` stores the measured local-cpu topology
-    (``$NEOREC_CALIBRATION`` overrides)."""
+    """Where ``neorec plan --calibrate`` stores the measured local-cpu topology:
+    ``$NEOREC_CALIBRATION``, else ``$XDG_CACHE_HOME/neorec/topology-local-cpu.json`` (``~/.cache``
+    when unset or empty)."""
     env = os.environ.get("NEOREC_CALIBRATION")
     if env:
         return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neorec" / "topology-local-cpu.json"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "neorec" / "topology-local-cpu.json"
 
 
 def local_cpu(num_ranks: Optional[int] = None, path: Optional[str | Path] = None) -> Topology:

@@ -188,6 +188,22 @@ def test_calibration_out_directory_is_refused_before_measuring(tmp_path, capsys,
     monkeypatch.setattr(calibrate, "calibrate", no_measuring)
     assert main(["plan", "--calibrate", "--calibration-out", str(tmp_path)]) == 2
     assert re.search(r"--calibration-out .* is a directory; give a file name", capsys.readouterr().err)
+    # the default place, or NEOREC_CALIBRATION, were found unwritable only after the measurements
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(tmp_path))
+    assert main(["plan", "--calibrate"]) == 2
+    assert "NEOREC_CALIBRATION " + str(tmp_path) + " is a directory" in capsys.readouterr().err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(blocker / "cal.json"))
+    assert main(["plan", "--calibrate"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the calibration to {blocker / 'cal.json'} (NEOREC_CALIBRATION)" in err, err
+    assert "give --calibration-out FILE or set NEOREC_CALIBRATION" in err
+    monkeypatch.delenv("NEOREC_CALIBRATION")
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: ~/.cache, not the relative neorec/...
+    from neorec.planner.topology import default_calibration_path
+
+    assert default_calibration_path().is_absolute()
 
 
 def test_plan_auto_with_a_calibration_for_other_ranks_keeps_the_machines_memory(tmp_path, monkeypatch):
