@@ -69,7 +69,7 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        ctx.saved_tensors  # "Trying to backward through the graph a second time" (it stepped the optimizer again)
+        _ = ctx.saved_tensors  # "Trying to backward through the graph a second time" (it stepped the optimizer again)
         ctx.module._backward(ctx.lookups, grad_output)
         return None, None, None, None
 

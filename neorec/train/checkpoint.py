@@ -289,6 +289,8 @@ class Checkpointer:
         that cannot be written (a full disk, say) stops the run with ``CheckpointWriteError``."""
         try:
             return self._save()
+        except BrokenPipeError:  # the reader of our report line went away, not the disk: said by the CLI
+            raise
         except (OSError, UnquantizableRowError) as exc:
             step, last = self.trainer.step, self.last_saved_step
             where = (f"its last complete checkpoint is of step {last}: --resume {self.root} goes on from there"

@@ -52,6 +52,13 @@ def assert_identical(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
+def checkpoint_names(root):
+    """What a checkpoint folder holds, but the lock a run keeps there while it trains."""
+    from neorec.files import DIR_LOCK
+
+    return sorted(p.name for p in root.iterdir() if p.name != DIR_LOCK)
+
+
 def checkpoint_args(tmp_path, every, *extra):
     return [f"checkpoint.dir='{tmp_path / 'ckpt'}'", f"checkpoint.every_steps={every}", *extra]
 
@@ -293,7 +300,7 @@ def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
     restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="restarted")
     assert restarted.fit().samples == 2 * 128 and restarted.step == 6
     assert "resumed from" in restarted.out.getvalue()
-    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    saved = checkpoint_names(tmp_path / "ckpt")
     # not resuming (auto_resume off, or not a restart): a fresh run, refused beside the first run's checkpoints
     off = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.auto_resume=false"),
                        name="off")
@@ -303,7 +310,7 @@ def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
     fresh = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2), name="fresh")
     with pytest.raises(ValueError, match="already holds checkpoints of another run"):
         fresh.fit()
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved and "resumed" not in fresh.out.getvalue()
+    assert checkpoint_names(tmp_path / "ckpt") == saved and "resumed" not in fresh.out.getvalue()
     alone = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.dir='" +
                                                                            str(tmp_path / "other") + "'"), name="alone")
     assert alone.fit().samples == 2 * 128 and "resumed" not in alone.out.getvalue()  # fresh, in its own directory
@@ -423,13 +430,13 @@ def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
     newer one does not (resume skips it) and is neither counted by keep_last nor removed."""
     root = tmp_path / "ckpt"
     make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 2, "checkpoint.keep_last=3")).fit()
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000004", "step-000000006", "step-000000008"]
+    assert checkpoint_names(root) == ["step-000000004", "step-000000006", "step-000000008"]
     rewound = make_trainer(tmp_path, "train.max_steps=7", *checkpoint_args(tmp_path, 1, "checkpoint.keep_last=1"),
                            resume=str(root / "step-000000004"), name="rewound")
     with pytest.raises(ValueError, match=r"checkpoints after step 4, the one resumed from \(step-000000008, "
                                          r"step-000000006\): the future of the run being rewound"):
         rewound.fit()
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000004", "step-000000006", "step-000000008"]
+    assert checkpoint_names(root) == ["step-000000004", "step-000000006", "step-000000008"]
     shutil.move(str(root / "step-000000008"), str(tmp_path / "kept-8"))
     data = bytearray((root / "step-000000006" / "rank0.pt").read_bytes())
     data[len(data) // 2] ^= 0x10  # corrupt: resuming from the directory skips it
@@ -439,7 +446,7 @@ def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
     rewound.fit()
     assert rewound.step == 5 and "step-000000006 is incomplete or corrupt" in rewound.out.getvalue()
     # keep_last=1 among this run's own: step 4 (resumed from) pruned, step 5 kept; the corrupt 6 left alone
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000005", "step-000000006"]
+    assert checkpoint_names(root) == ["step-000000005", "step-000000006"]
 
 
 @pytest.mark.parametrize("incremental", [False, True])
@@ -465,6 +472,22 @@ def test_a_row_that_cannot_be_quantized_stops_the_run_naming_table_row_and_resum
                        r"or inf.*its last complete checkpoint is of step 2") as caught:
         trainer.checkpointer.save()
     assert caught.value.exit_code == 1
+
+
+def test_a_closed_standard_output_is_not_a_failed_checkpoint(tmp_path):
+    """`neorec train | head`: the line reporting a complete checkpoint hit a closed pipe, and the
+    BrokenPipeError (an OSError) was reported as "could not write the checkpoint"."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    trainer = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2))
+    trainer.fit()
+    trainer.out, trainer.step = ClosedPipe(), 3
+    with pytest.raises(BrokenPipeError):
+        trainer.checkpointer.save()
+    assert verify_checkpoint(tmp_path / "ckpt" / "step-000000003")["step"] == 3  # it was written
 
 
 def test_checkpoints_are_taken_when_min_rows_keeps_every_table_on_the_device(tmp_path):
