@@ -56,6 +56,8 @@ def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
     a run learns at its start, not at its first save, that its output cannot be kept. ValueError
     naming ``what`` (the setting) otherwise."""
     p = Path(path)
+    if p.is_symlink() and not p.exists():
+        raise ValueError(f"{what} {str(p)!r} is a symbolic link to {os.readlink(p)!r}, which does not exist")
     if p.exists() and not p.is_dir():
         raise ValueError(f"{what} {str(p)!r} is a file, not a directory")
     try:

@@ -73,15 +73,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def ssd_dir_of(cfg: Config) -> str:
+    """The folder of the SSD row stores: ``embedding.location.ssd_dir``, else
+    ``<train.output_dir>/embedding_ssd`` (as ``LocationConfig.resolve`` places them)."""
+    if cfg.embedding.location.ssd_dir:
+        return cfg.embedding.location.ssd_dir
+    return str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else "embedding_ssd"
+
+
 def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
     """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``."""
     torch.manual_seed(cfg.train.seed)
     tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
     if cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
-        ssd_dir = str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else None
         collection = CachedEmbeddingBagCollection(
             tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=cfg.train.seed,
-            locations=cfg.embedding.location.resolve(tables, ssd_dir))
+            locations=cfg.embedding.location.resolve(tables, ssd_dir_of(cfg)))
     else:
         collection = EmbeddingBagCollection(
             tables,
@@ -214,8 +221,11 @@ class Trainer:
             torch.set_num_threads(threads_per_rank(distributed.local_world_size))
         self.device = distributed.device if distributed else resolve_device(cfg.train.device)
         self.source = source if source is not None else make_data_source(cfg.data)
-        off_device = cfg.embedding.location.any_off_device(self.source.tables(cfg.model.embedding_dim,
-                                                                               cfg.model.pooling))
+        tables = self.source.tables(cfg.model.embedding_dim, cfg.model.pooling)
+        off_device = cfg.embedding.location.any_off_device(tables)
+        if any(cfg.embedding.location.kind_of(t) == "cached_ssd" for t in tables):  # named, not a bare errno
+            ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir" if cfg.embedding.location.ssd_dir
+                                else "embedding.location.ssd_dir (by default <train.output_dir>/embedding_ssd)")
         if distributed is not None and off_device:
             raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
         if (cfg.checkpoint.dir or resume is not None) and off_device:

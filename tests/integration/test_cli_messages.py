@@ -276,6 +276,16 @@ def test_training_whose_output_reader_goes_away_says_where_it_stopped(tmp_path):
     assert "standard output was closed (its reader went away); stopped after step " in err, err
 
 
+def test_an_unwritable_ssd_folder_names_its_setting(tmp_path, capsys):
+    """It was a bare "[Errno 13] Permission denied: '.../ssd'" (or "Not a directory")."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "run"), "--set", f"embedding.location.ssd_dir='{blocker / 'ssd'}'"]) == 2
+    err = capsys.readouterr().err
+    assert f"embedding.location.ssd_dir '{blocker / 'ssd'}' is not a writable directory" in err, err
+
+
 def test_set_of_a_section_keeps_the_files_other_keys(capsys):
     assert main(["config", "--config", str(TINY), "--set", "train={max_steps=5}"]) == 0
     train = json.loads(capsys.readouterr().out)["train"]

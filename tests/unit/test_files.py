@@ -45,3 +45,10 @@ def test_ensure_writable_dir(tmp_path):
         ensure_writable_dir(tmp_path / "f", "checkpoint.dir")
     with pytest.raises(ValueError, match="checkpoint.dir '.*f/sub' is not a writable directory"):
         ensure_writable_dir(tmp_path / "f" / "sub", "checkpoint.dir")
+
+
+def test_a_dangling_symbolic_link_is_named_as_one(tmp_path):
+    """It said "not a writable directory: File exists"."""
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=r"train.output_dir '.*out' is a symbolic link to '.*gone', which does not exist"):
+        ensure_writable_dir(tmp_path / "out", "train.output_dir")
