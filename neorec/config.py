@@ -381,29 +381,31 @@ def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
         node[path[-1]] = value
 
 
-def _holds_table(path: List[str]) -> bool:
-    """Whether ``path`` names a key whose value is a table (``embedding.location.tables``)."""
+_UNKNOWN = object()
+
+
+def _type_at(path: List[str]) -> Any:
+    """The type of the config key or section ``path`` names; ``_UNKNOWN`` for a name the config
+    does not have (``_build`` refuses it, with a suggestion)."""
     tp: Any = Config
     for part in path:
         hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
         if part not in hints:
-            return False
+            return _UNKNOWN
         tp = hints[part]
-    return typing.get_origin(tp) in (dict, Dict)
+    return tp
+
+
+def _holds_table(path: List[str]) -> bool:
+    """Whether ``path`` names a key whose value is a table (``embedding.location.tables``)."""
+    return typing.get_origin(_type_at(path)) in (dict, Dict)
 
 
 def _is_section(path: List[str]) -> bool:
-    """Whether ``path`` names a config section (a dataclass), not a key, such as
-    ``embedding.location.tables``, whose value is a table."""
-    tp: Any = Config
-    for part in path:
-        if not dataclasses.is_dataclass(tp):
-            return False
-        hints = typing.get_type_hints(tp)
-        if part not in hints:
-            return True  # unknown: merged, and the unknown key refused by _build
-        tp = hints[part]
-    return dataclasses.is_dataclass(tp)
+    """Whether ``path`` names a config section (a dataclass; an unknown name is taken as one, to be
+    refused by ``_build``), not a key such as ``embedding.location.tables``, whose value is a table."""
+    tp = _type_at(path)
+    return tp is _UNKNOWN or dataclasses.is_dataclass(tp)
 
 
 def _merge(into: Dict[str, Any], values: Dict[str, Any]) -> None:
