@@ -16,8 +16,9 @@ One checkpoint = ``<dir>/step-<N>/``:
 A checkpoint is complete when its manifest, every file of it and every checkpoint of its chain
 verify. The last entry of the chain is the checkpoint's own folder, whatever it is called (a full
 checkpoint can be copied anywhere under any name); its bases are found by name beside it and must
-be the very checkpoints it was saved on (their manifests' sha256). Restoring from a root takes the newest complete one (a newer torn or corrupt one is
-reported and skipped); restoring from one named ``step-<N>`` takes that one or stops.
+be the very checkpoints it was saved on (their manifests' sha256). Restoring from a root takes the
+newest complete one (a newer torn or corrupt one is reported and skipped); restoring from one
+named ``step-<N>`` takes that one or stops.
 
 Incremental (``checkpoint.incremental``): the fused modules mark the rows every optimizer step
 updates; an incremental checkpoint writes only the rows marked since the previous checkpoint
