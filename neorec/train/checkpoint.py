@@ -461,9 +461,9 @@ class Checkpointer:
         trainer.step = int(manifest["step"])
         self.resumed_from = path
         same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
-        self.chain = list(manifest["chain"]) if same_root else []  # increments continue this chain
-        self.increment_bytes = float(sum(_read_manifest(path.parent / name)["bytes"]["embeddings"]
-                                         for name in self.chain[1:])) if same_root else 0.0
+        parts = _chain_parts(path, manifest) if same_root else []
+        self.chain = [directory.name for _, directory, _ in parts]  # increments continue this chain (by the
+        self.increment_bytes = float(sum(part["bytes"]["embeddings"] for _, _, part in parts[1:]))  # folders' names)
         self.last_saved_step = trainer.step
         batch = samples_in_epoch // global_batch
         self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "

@@ -13,8 +13,9 @@ it off):
         hooks.after_backward()   # the header is in: launches the ids exchange
         optimizer.step()
 
-The look-ahead, per step i (an error of batch i + 1's loading or launch is raised after step i,
-which trains as it would in the plain loop):
+The look-ahead, per step i (an error loading batch i + 1 is raised after step i, which trains as
+it would in the plain loop; an id of batch i + 1 outside its table, found when its exchange is
+launched during step i, stops the run at once, since no other rank could finish step i with it):
 
 1. before batch i is handed out, batch i + 1 is taken from ``items`` (a ``PrefetchLoader`` thread
    prepares it) and moved to the device; every ``CachedEmbeddingBagCollection`` of the model is
@@ -89,12 +90,9 @@ class StepHooks:
         if self._stage != 0:
             raise RuntimeError("TrainPipeline: after_forward() called twice for one step")
         self._stage = 1
-        if self._batch is not None:
-            try:
-                self._pipeline._launch(self._batch)
-            except Exception as exc:  # the NEXT batch is bad (an id outside its table): this step
-                self._pipeline._deferred = exc  # trains, then the error stops the run (as the plain loop)
-                self._batch = None
+        if self._batch is not None:  # an id of the NEXT batch outside its table raises here, at once: the
+            self._pipeline._launch(self._batch)  # other ranks have launched its exchange, which this rank's
+            # next collective would otherwise be paired with (a mismatch that hides the error)
 
     def after_backward(self) -> None:
         if self._stage != 1:
@@ -124,7 +122,6 @@ class TrainPipeline:
         self._sharded = sharded_collections(model)
         self._cached = [c for c in cached_collections(model) if c.caches] if prefetch_cached_rows else []
         self.num_launched = 0  # input all-to-alls launched ahead (for tests and reports)
-        self._deferred: Optional[BaseException] = None  # the look-ahead's error, raised after the step
 
     def run(self, items: Iterable[Tuple[Batch, Any]],
             max_items: Optional[int] = None) -> Iterator[Tuple[Batch, Any, StepHooks]]:
@@ -140,12 +137,12 @@ class TrainPipeline:
         count = 1
         try:
             while current is not None:
-                following = None
+                following, error = None, None
                 if max_items is None or count < max_items:
                     try:
                         following = self._next(iterator)
                     except Exception as exc:  # batch i + 1 failed to load: batch i trains first, as in
-                        self._deferred = exc   # the plain loop (its step and checkpoint are not lost)
+                        error = exc           # the plain loop (its step and checkpoint are not lost)
                 count += 1
                 if following is not None:
                     for collection in self._cached:
@@ -154,8 +151,7 @@ class TrainPipeline:
                 else:
                     hooks = StepHooks(self, None)
                 yield current[0], current[1], hooks
-                if self._deferred is not None:
-                    error, self._deferred = self._deferred, None
+                if error is not None:
                     raise error
                 current = following
         finally:

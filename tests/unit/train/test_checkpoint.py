@@ -259,6 +259,23 @@ def test_a_full_checkpoint_restores_under_any_folder_name_and_bases_must_be_its_
         verify_checkpoint(root / "step-000000004")
 
 
+def test_a_renamed_checkpoint_in_its_own_folder_resumes_and_goes_on_incrementally(tmp_path):
+    """After a resume from a checkpoint renamed inside checkpoint.dir, the chain went on with its old
+    name: the next increment looked for its base under that name and failed."""
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 4, *extra)).fit()
+    root = tmp_path / "ckpt"
+    (root / "step-000000004").rename(root / "best")
+    resumed = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2, *extra),
+                           resume=str(root / "best"), name="resumed")
+    resumed.fit()
+    manifest = verify_checkpoint(root / "step-000000006")
+    assert manifest["kind"] == "incremental" and manifest["chain"] == ["best", "step-000000006"]
+    again = make_trainer(tmp_path, "train.max_steps=6", resume=str(root), name="again")
+    again.fit()
+    assert_identical(snapshot(resumed), snapshot(again))
+
+
 def test_tensor_files_are_not_unpickled(tmp_path):
     import pickle
 
