@@ -9,14 +9,13 @@ holds any, are not passed on. When a rank exits with an error the others are sto
 would otherwise wait in a collective until its timeout) and its exit code is returned (128 + N for
 a rank killed by signal N, e.g. 137 for SIGKILL, and the message names the signal). Ctrl-C,
 SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch scheduler or ``docker stop`` send)
-stop them all (the ranks ignore SIGINT: the launcher alone answers Ctrl-C); on Linux a rank also
-receives SIGTERM when the launcher dies without a chance to clean up (SIGKILL), so no rank
-outlives it. For several nodes use torchrun.
+stop them all (each rank runs in a process group of its own, so a terminal's Ctrl-C reaches the
+launcher alone); on Linux a rank also receives SIGTERM when the launcher dies without a chance to
+clean up (SIGKILL), so no rank outlives it. For several nodes use torchrun.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -119,29 +118,6 @@ def _how_it_ended(returncode: int) -> str:
     return f"was killed by {name}"
 
 
-@contextlib.contextmanager
-def _ranks_ignore_ctrl_c():
-    """Processes started inside ignore SIGINT for their whole life (an ignored signal stays ignored
-    across exec, and Python then installs no KeyboardInterrupt handler). Ctrl-C in a terminal
-    reaches every process of its group: the ranks, at any point of their start or training, said
-    'interrupted' or printed a traceback beside the launcher; now the launcher alone answers it and
-    stops them (SIGTERM). SIGINT is also blocked meanwhile: one that comes during the spawning
-    stays pending (Linux never discards a blocked signal) and reaches the launcher right after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    blocking = hasattr(signal, "pthread_sigmask")
-    if blocking:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if blocking:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is delivered here
-
-
 def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int:
     """Run ``python -m <module> *argv`` as ``nproc`` ranks; 0 when all succeed, else the exit code
     of the first rank that failed (128 + N when it was killed by signal N, as a shell reports it).
@@ -155,11 +131,12 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
         for signum in (signal.SIGTERM, signal.SIGHUP):
             previous[signum] = signal.signal(signum, _raise_terminated)
     try:
-        with _ranks_ignore_ctrl_c():
-            for rank in range(nproc):
-                env = rank_environment(rank, nproc, port)
-                env[LAUNCHER_ENV] = str(os.getpid())
-                processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+        for rank in range(nproc):
+            env = rank_environment(rank, nproc, port)
+            env[LAUNCHER_ENV] = str(os.getpid())
+            # a process group of its own: a terminal's Ctrl-C (sent to its foreground group) reaches the
+            # launcher alone, which stops the ranks; they printed tracebacks or "interrupted" beside it
+            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env, process_group=0))
         while True:
             codes = [p.poll() for p in processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]

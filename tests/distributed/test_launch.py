@@ -165,6 +165,7 @@ def test_ctrl_c_is_answered_by_the_launcher_alone():
 
 
 WINDOW = """import os, signal, sys, time
+import torch  # its threads: a process-directed signal may be delivered to any of them
 import neorec.train.launch as launch
 real = launch.subprocess.Popen
 def popen_then_ctrl_c(*args, **kwargs):
@@ -183,9 +184,9 @@ except KeyboardInterrupt:
 
 @pytest.mark.skipif(sys.platform.startswith("win"), reason="POSIX signals")
 def test_ctrl_c_while_the_ranks_start_is_not_lost():
-    """The launcher ignored SIGINT while it spawned the ranks (so that they inherit the ignoring):
-    a Ctrl-C in that window was lost, and the launcher and its ranks ran on (the full suite, loaded,
-    once timed out on it)."""
+    """The launcher ignored SIGINT while it spawned the ranks (so that they would inherit the
+    ignoring): a Ctrl-C in that window was lost, and the launcher and its ranks ran on. The ranks now
+    get a process group of their own instead, and the launcher's handler never changes."""
     launcher = _start_launcher(WINDOW)
     try:
         _, err = launcher.communicate(timeout=60)
