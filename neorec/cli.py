@@ -451,8 +451,12 @@ def _env_flag(name: str) -> bool:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as one line of the command's output (Python's shows the source file and line)."""
-    print(f"neorec: warning: {message}", file=file if file is not None else sys.stderr, flush=True)
+    """A warning as one line of the command's output (Python's shows the source file and line);
+    like Python's, it never raises (a closed stderr)."""
+    try:
+        print(f"neorec: warning: {message}", file=file if file is not None else sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -376,7 +376,7 @@ def _apply_override(tree: Dict[str, Any], path: List[str], value: Any) -> None:
             raise ValueError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
         node = child
     if isinstance(value, dict) and isinstance(node.get(path[-1]), dict) and _is_section(path):
-        _merge(node[path[-1]], value)  # --set train={max_steps=5}: the section's other keys stay
+        _merge(node[path[-1]], value, path)  # --set train={max_steps=5}: the section's other keys stay
     else:  # a value, or a key that holds a table (embedding.location.tables={}): replaced
         node[path[-1]] = value
 
@@ -408,11 +408,12 @@ def _is_section(path: List[str]) -> bool:
     return tp is _UNKNOWN or dataclasses.is_dataclass(tp)
 
 
-def _merge(into: Dict[str, Any], values: Dict[str, Any]) -> None:
-    """Deep-merge ``values`` into ``into``: tables key by key, any other value replaced."""
+def _merge(into: Dict[str, Any], values: Dict[str, Any], path: List[str]) -> None:
+    """Deep-merge ``values`` into the section ``path`` (``into``): sections key by key, any other
+    value replaced, a key that holds a table (``embedding.location.tables``) included."""
     for key, value in values.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+        if isinstance(value, dict) and isinstance(into.get(key), dict) and _is_section([*path, key]):
+            _merge(into[key], value, [*path, key])
         else:
             into[key] = value
 
@@ -446,9 +447,12 @@ def check_data_keys(cfg: Config) -> None:
                          "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
     cfg.embedding.location.check_table_names(data.table_names())
     location, precision = cfg.embedding.location, cfg.embedding.storage.precision
-    cached = sorted(name for name, kind in location.tables.items() if kind in CACHED_LOCATIONS)
-    if precision != "fp32" and (cached or (location.default in CACHED_LOCATIONS and location.min_rows == 0)):
-        what = f"tables {cached}" if cached else f"embedding.location.default = {location.default!r}"
+    # cached for sure: named so, or given the default while min_rows (which needs the sizes) is 0
+    fallback = location.default if location.min_rows == 0 else "device"
+    cached = sorted(name for name in data.table_names() if location.tables.get(name, fallback) in CACHED_LOCATIONS)
+    if precision != "fp32" and cached:
+        what = f"tables {cached}" if set(cached) <= set(location.tables) else \
+            f"embedding.location.default = {location.default!r}"
         raise ValueError(f"embedding.storage.precision = {precision!r} with cached tables ({what}): the cache "
                          f"slots live in the fused module, whose rows must then be fp32; set the stored rows' "
                          f"precision with embedding.location.precision (fp16/bf16/int8) instead")

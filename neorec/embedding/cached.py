@@ -546,8 +546,9 @@ def with_prefetch(items, model: nn.Module, sparse_of=lambda batch: batch.sparse,
     iterator = iter(items)
     count = 0
     if not collections:
-        for item in iterator:
-            if max_items is not None and count >= max_items:
+        while max_items is None or count < max_items:  # never one item more than asked for
+            item = next(iterator, None)
+            if item is None:
                 return
             count += 1
             yield item

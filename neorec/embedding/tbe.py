@@ -164,7 +164,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             self.register_load_state_dict_post_hook(_load_rounding_state)
         # the tables behind the flat buffers (name, rows, dim, in buffer order), as UTF-8 JSON: saved
         # by state_dict(), checked by load_state_dict before any buffer is copied (_check_layout)
-        self.register_buffer("table_layout", _layout_bytes(self))
+        self.register_buffer("table_layout", _layout_bytes(self).to(device))
         self._register_load_state_dict_pre_hook(_check_layout, with_module=True)
         self.kernel = check_kernel(kernel)
         self._triton = TritonPath(self)

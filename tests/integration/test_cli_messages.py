@@ -196,6 +196,10 @@ def test_half_precision_storage_with_cached_tables_is_refused_at_load_time(capsy
     assert main(["config", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"),
                  "--set", "embedding.storage.precision='bf16'"]) == 2
     assert "with cached tables (tables ['t_feature_0'])" in capsys.readouterr().err
+    every_table_on_the_device = "embedding.location.tables={" + ", ".join(
+        f"t_feature_{i}='device'" for i in range(8)) + "}"  # the default data: 8 tables
+    assert main(["config", *args, "--set", every_table_on_the_device]) == 0  # nothing is cached
+    capsys.readouterr()
 
 
 def test_warnings_are_one_line_of_the_commands_output(tmp_path, capsys):
@@ -206,6 +210,16 @@ def test_warnings_are_one_line_of_the_commands_output(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "neorec: warning: cache of table 't_feature_" in err and "growing it to" in err, err
     assert "cached.py" not in err and "_grow_cache" not in err
+    import io
+    import warnings
+
+    from neorec.cli import _show_warning
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    _show_warning(warnings.WarningMessage("x", UserWarning, "f", 1).message, UserWarning, "f", 1, file=Closed())
 
 
 def test_a_negative_max_steps_is_named_as_the_option_given(capsys):

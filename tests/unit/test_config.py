@@ -272,9 +272,11 @@ def test_set_of_a_key_that_holds_a_table_replaces_it():
     assert load_config(path, ["embedding.location.tables={}"]).embedding.location.tables == {}
     replaced = load_config(path, ["embedding.location.tables={t_feature_1='dram'}"]).embedding.location.tables
     assert replaced == {"t_feature_1": "dram"}
-    # a section is still merged key by key
+    # a section is still merged key by key, and a table-valued key inside it replaced
     assert load_config(path, ["embedding.location={ways=4}"]).embedding.location.tables == \
         load_config(path).embedding.location.tables
+    assert load_config(path, ["embedding.location={tables={t_feature_1='dram'}}"]).embedding.location.tables \
+        == {"t_feature_1": "dram"}
 
 
 def test_eps_zero_is_fine_where_nothing_divides_by_it():

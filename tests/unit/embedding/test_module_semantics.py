@@ -79,3 +79,8 @@ def test_float_ids_are_refused_not_truncated():
     for kernel in ["torch"] + (["native"] if native_available() is None else []):
         with pytest.raises(TypeError, match="ids must be integers, got torch.float32"):
             module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)], kernel=kernel)(floats)
+
+
+def test_the_layout_buffer_lives_with_the_other_buffers():
+    tbe = module([TableConfig("a", 10, 4)], device="meta")
+    assert {buffer.device.type for buffer in tbe.buffers()} == {"meta"}

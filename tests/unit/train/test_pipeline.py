@@ -185,3 +185,21 @@ def test_profile_writes_timeline(tmp_path):
     total = sum(p["seconds"] for p in phases.values())
     assert total == pytest.approx(timeline["step_ms"] * 6 / 1e3, rel=1e-6)  # the phases partition the steps
     assert "step timeline (6 steps" in trainer.out.getvalue()
+
+
+def test_with_prefetch_takes_no_item_past_max_items_without_cached_tables(tmp_path):
+    """Without cached tables it pulled item max_items + 1 before stopping (raising that item's
+    error, if it had one)."""
+    from neorec.embedding.cached import with_prefetch
+
+    trainer = Trainer(small_config(tmp_path, False), out=io.StringIO())
+    pulled = []
+
+    def items():
+        for i in range(5):
+            pulled.append(i)
+            if i == 2:
+                raise OSError("batch 2 is malformed")
+            yield i
+
+    assert list(with_prefetch(items(), trainer.model, max_items=2)) == [0, 1] and pulled == [0, 1]
