@@ -220,6 +220,7 @@ def _check_calibration_target(out) -> None:
     written: a directory, or a folder that cannot be made or written, is said before measuring."""
     import os
 
+    from neorec.files import ensure_writable_dir
     from neorec.planner.topology import default_calibration_path
 
     path = Path(out) if out else default_calibration_path()
@@ -228,13 +229,9 @@ def _check_calibration_target(out) -> None:
     if path.is_dir():
         raise ValueError(f"plan: {given} {path} is a directory; give a file name")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".neorec-write-test.{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"plan: cannot write the calibration to {path} ({given}): {exc.strerror or exc}; give "
-                         f"--calibration-out FILE or set NEOREC_CALIBRATION") from None
+        ensure_writable_dir(path.parent, f"the folder of the calibration {path} ({given}),")
+    except ValueError as exc:
+        raise ValueError(f"plan: {exc}; give --calibration-out FILE or set NEOREC_CALIBRATION") from None
 
 
 def training_topology(world_size: int, ranks_per_node: int, out=None):

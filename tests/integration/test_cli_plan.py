@@ -197,7 +197,7 @@ def test_calibration_out_directory_is_refused_before_measuring(tmp_path, capsys,
     monkeypatch.setenv("NEOREC_CALIBRATION", str(blocker / "cal.json"))
     assert main(["plan", "--calibrate"]) == 2
     err = capsys.readouterr().err
-    assert f"cannot write the calibration to {blocker / 'cal.json'} (NEOREC_CALIBRATION)" in err, err
+    assert f"the folder of the calibration {blocker / 'cal.json'} (NEOREC_CALIBRATION), '{blocker}' is a file" in err, err
     assert "give --calibration-out FILE or set NEOREC_CALIBRATION" in err
     monkeypatch.delenv("NEOREC_CALIBRATION")
     monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: ~/.cache, not the relative neorec/...
