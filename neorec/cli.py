@@ -247,9 +247,7 @@ def _check_before_launch(cfg, args: argparse.Namespace) -> None:
     cfg.data.check_inputs_exist()
     if args.resume and not Path(args.resume).exists():
         raise ValueError(f"--resume: {args.resume} does not exist")
-    location = cfg.embedding.location
-    if any(kind != "device" for kind in location.tables.values()) or (location.default != "device"
-                                                                        and location.min_rows == 0):
+    if any(cfg.embedding.location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
         raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
 
 

@@ -447,9 +447,7 @@ def check_data_keys(cfg: Config) -> None:
                          "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
     cfg.embedding.location.check_table_names(data.table_names())
     location, precision = cfg.embedding.location, cfg.embedding.storage.precision
-    # cached for sure: named so, or given the default while min_rows (which needs the sizes) is 0
-    fallback = location.default if location.min_rows == 0 else "device"
-    cached = sorted(name for name in data.table_names() if location.tables.get(name, fallback) in CACHED_LOCATIONS)
+    cached = sorted(name for name in data.table_names() if location.known_kind(name) in CACHED_LOCATIONS)
     if precision != "fp32" and cached:
         what = f"tables {cached}" if set(cached) <= set(location.tables) else \
             f"embedding.location.default = {location.default!r}"

@@ -28,6 +28,7 @@ store directory); the module's buffers hold only the device tables and cache slo
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 import zlib
@@ -543,25 +544,14 @@ def with_prefetch(items, model: nn.Module, sparse_of=lambda batch: batch.sparse,
     low-precision store). Item ``i + 1`` failing to load is raised after item ``i`` has been used.
     Without cached tables items pass through."""
     collections = [c for c in cached_collections(model) if c.caches]
-    iterator = iter(items)
-    count = 0
-    if not collections:
-        while max_items is None or count < max_items:  # never one item more than asked for
-            item = next(iterator, None)
-            if item is None:
-                return
-            count += 1
-            yield item
-        return
-    current = next(iterator, None) if max_items is None or max_items > 0 else None
+    iterator = iter(items) if max_items is None else itertools.islice(items, max_items)  # none past max_items
+    current = next(iterator, None)
     while current is not None:
-        count += 1
         following, error = None, None
-        if max_items is None or count < max_items:
-            try:
-                following = next(iterator, None)
-            except Exception as exc:
-                error = exc
+        try:
+            following = next(iterator, None)
+        except Exception as exc:
+            error = exc
         if following is not None:
             for collection in collections:
                 collection.prefetch(sparse_of(following))

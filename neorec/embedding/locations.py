@@ -157,10 +157,17 @@ class LocationConfig:
         if self.min_rows < 0:
             raise ValueError(f"{where}.min_rows must be >= 0, got {self.min_rows}")
 
+    def known_kind(self, name: str) -> Optional[str]:
+        """Where the table ``name`` goes as far as the config alone says: its entry in ``tables``,
+        else ``default`` when ``min_rows`` is 0; None when that depends on the table's rows."""
+        if name in self.tables:
+            return self.tables[name]
+        return self.default if self.min_rows == 0 else None
+
     def kind_of(self, table: TableConfig) -> str:
         """Where ``table`` goes: its entry in ``tables``, else ``default`` when it has at least
         ``min_rows`` rows, else the device."""
-        kind = self.tables.get(table.name)
+        kind = self.known_kind(table.name)
         if kind is None:
             kind = self.default if table.num_embeddings >= self.min_rows else "device"
         return kind
