@@ -5,10 +5,49 @@ file, and exclusive locks between processes (``flock`` on a lock file)."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+
+NAME_MAX = 255  # bytes in one file name on Linux file systems
+_TEMPORARY = re.compile(r"\..+\.(\d+)\.tmp")  # what temporary_name gives, whatever the pid
+
+
+def temporary_name(name: str, pid: Optional[int] = None) -> str:
+    """The name ``write_atomic`` writes ``name`` under first: ``.<name>.<pid>.tmp``, with ``name``
+    shortened (its start and a digest of the whole) where that would pass ``NAME_MAX`` bytes, so
+    that any name the file system takes can be written atomically."""
+    suffix = f".{os.getpid() if pid is None else pid}.tmp"
+    if len(f".{name}{suffix}".encode()) <= NAME_MAX:
+        return f".{name}{suffix}"
+    digest = "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    room = NAME_MAX - len(f".{digest}{suffix}".encode())
+    start = name.encode()[:room].decode(errors="ignore")  # whole characters only
+    return f".{start}{digest}{suffix}"
+
+
+def sweep_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries a killed ``write_atomic`` left in ``folder`` (not its subfolders);
+    only for a folder this process holds (``hold_dir``): no other writer can be mid-write there.
+    Returns the files removed."""
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        match = _TEMPORARY.fullmatch(p.name)
+        if match and int(match.group(1)) != os.getpid() and p.is_file() and not p.is_symlink():
+            try:
+                p.unlink()
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
@@ -17,7 +56,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file name")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(temporary_name(path.name))
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -86,12 +125,14 @@ def hold_dir(path: str | os.PathLike, what: str) -> Optional[int]:
     descriptor to close when done, or None on a file system without locks. Held by another process:
     ValueError naming ``what`` (the setting) and that process."""
     try:
-        return lock_file(Path(path) / DIR_LOCK)
+        fd = lock_file(Path(path) / DIR_LOCK)
     except LockHeld as exc:
         raise ValueError(f"{what} {str(path)!r} is in use by another run (process {exc.holder}): give this run "
                          f"another {what}, or wait for that one to end") from None
-    except OSError:  # no locks on this file system: go on without
+    except OSError:  # no locks on this file system: go on without (and sweep nothing: not known to be ours)
         return None
+    sweep_temporaries(path)  # a killed run's half-written files: no other run writes here now
+    return fd
 
 
 def lock_file(path: str | os.PathLike, on_wait: Optional[Callable[[str], None]] = None) -> int:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from neorec.files import ensure_writable_dir, write_atomic
+from neorec.files import NAME_MAX, ensure_writable_dir, hold_dir, temporary_name, write_atomic
 
 
 def test_write_atomic_replaces_and_creates_parents(tmp_path):
@@ -52,3 +52,30 @@ def test_a_dangling_symbolic_link_is_named_as_one(tmp_path):
     (tmp_path / "out").symlink_to(tmp_path / "gone")
     with pytest.raises(ValueError, match=r"train.output_dir '.*out' is a symbolic link to '.*gone', which does not exist"):
         ensure_writable_dir(tmp_path / "out", "train.output_dir")
+
+
+def test_a_name_at_the_file_system_limit_is_written_atomically(tmp_path):
+    """The temporary ``.<name>.<pid>.tmp`` of a 250-byte name passed NAME_MAX (File name too long)."""
+    for name in ("n" * 250 + ".json", "é" * 127):  # 255 bytes each, one in two-byte characters
+        target = tmp_path / name
+        write_atomic(target, "x")
+        assert target.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["n" * 250 + ".json", "é" * 127])
+    long_a, long_b = temporary_name("a" * 255, pid=7), temporary_name("a" * 254 + "b", pid=7)
+    assert len(long_a.encode()) <= NAME_MAX and long_a != long_b  # shortened names stay distinct
+    assert temporary_name("plan.json", pid=7) == ".plan.json.7.tmp"
+
+
+def test_holding_a_folder_sweeps_the_temporaries_a_killed_write_left(tmp_path):
+    """A run killed inside ``write_atomic`` left ``.metrics.jsonl.<pid>.tmp`` files for good."""
+    (tmp_path / temporary_name("metrics.jsonl", pid=999999)).write_text("half")
+    (tmp_path / temporary_name("x" * 300, pid=999998)).write_text("half")
+    (tmp_path / ".notes.tmp").write_text("a user's file")  # not a write_atomic name: kept
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / temporary_name("rank0.json", pid=999999)).write_text("half")  # subfolders: not swept
+    fd = hold_dir(tmp_path, "train.output_dir")
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".neorec.lock", ".notes.tmp", "sub"])
+        assert len(list((tmp_path / "sub").iterdir())) == 1
+    finally:
+        os.close(fd)
