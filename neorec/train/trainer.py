@@ -516,7 +516,8 @@ class Trainer:
         now = time.perf_counter()
         qps = window["samples"] / max(now - window["start"], 1e-9)
         loss = window["loss"] / max(window["steps"], 1)
-        log.write({"kind": "train", "step": self.step, "epoch": epoch, "loss": loss, "qps": qps})
+        log.write({"kind": "train", "step": self.step, "epoch": epoch, "loss": loss, "qps": qps,
+                   "steps": window["steps"]})  # fewer than log_every_steps at an epoch's end or after a resume
         bar.set_postfix(loss=f"{loss:.4f}", qps=f"{qps:,.0f}", refresh=False)  # drawn at the bar's own pace
         lines = self._progress_lines
         if lines["on"] and now - lines["last"] >= PROGRESS_LINE_SECONDS:

@@ -79,6 +79,7 @@ def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_p
     assert [(r["step"], r["epoch"]) for r in train] == [(3, 0), (6, 0), (8, 0), (9, 1), (12, 1), (15, 1), (16, 1)]
     # full batches: 128 samples a second; the last batch of an epoch has 1000 - 7 * 128 = 104
     assert [round(r["qps"], 6) for r in train] == [128.0, 128.0, 116.0, 128.0, 128.0, 128.0, 104.0]
+    assert [r["steps"] for r in train] == [3, 3, 2, 1, 3, 3, 1]  # the short windows say so
     evals = [r["step"] for r in records if r["kind"] == "eval"]
     assert evals == [4, 8, 12]  # step 16 is the last: its evaluation is the final one
     final = records[-1]
@@ -93,6 +94,8 @@ def test_a_resumed_run_has_one_final_record_and_keeps_the_earlier_end_as_an_eval
     records = read_log(tmp_path)
     assert records[-1]["first_step"] == 8 and records[-1]["samples"] == 1000
     assert [(r["kind"], r["step"]) for r in records if r["kind"] != "train"] == [("eval", 8), ("final", 16)]
+    after = [r for r in records if r["kind"] == "train" and r["step"] > 8]
+    assert after[0]["steps"] == after[0]["step"] - 8  # the first window after resuming counts its own steps only
     earlier = records[[r["kind"] for r in records].index("eval")]
     assert earlier["epoch"] == 0 and 0 < earlier["auc"] < 1 and "qps" not in earlier and "first_step" not in earlier
 
