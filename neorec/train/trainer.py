@@ -185,6 +185,14 @@ class MetricsLog:
 PROGRESS_LINE_SECONDS = 30.0  # progress to a file or pipe: one plain line at most this often
 
 
+def redraws_lines(out) -> bool:
+    """Whether ``out`` shows a bar redrawn with "\\r" in place: a terminal, or a Jupyter notebook's
+    stdout (ipykernel's ``OutStream``: not a tty, but its cells honour carriage returns)."""
+    if getattr(out, "isatty", lambda: False)():
+        return True
+    return type(out).__module__.split(".")[0] == "ipykernel"
+
+
 class Trainer:
     """Trains ``DLRM``: forward, BCE loss, backward (the embedding optimizer runs fused inside it),
     dense optimizer step; evaluates NE / AUC / calibration periodically.
@@ -405,7 +413,7 @@ class Trainer:
             print(f"nothing left to train: resumed at step {self.step}, and the run ends at step {total_steps} "
                   f"(train.max_steps {cfg.max_steps or 'unset'}, train.epochs {cfg.epochs}); evaluating only",
                   file=self.out, flush=True)
-        terminal = bool(getattr(self.out, "isatty", lambda: False)())
+        terminal = redraws_lines(self.out)
         show = cfg.progress and self.is_main
         # a bar redraws with "\r" on one line: on a terminal; to a file or pipe, a plain line now and then
         bar = tqdm(total=total_steps, initial=self.step, disable=not (show and terminal), file=self.out,

@@ -165,3 +165,15 @@ def test_progress_to_a_file_is_plain_lines_not_a_redrawn_bar(tmp_path, monkeypat
     text = out.getvalue()
     assert "\r" not in text
     assert "step 3/6: loss " in text and "step 6/6: loss " in text and "samples/s" in text
+
+
+def test_a_notebook_cell_gets_the_bar_not_plain_lines(tmp_path, monkeypatch):
+    """A Jupyter notebook's stdout is not a tty, so it got a plain line every 30 s instead of the bar."""
+    monkeypatch.setattr(trainer_module, "PROGRESS_LINE_SECONDS", 0.0)
+    OutStream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})  # ipykernel's class
+    out = OutStream()
+    make_trainer(tmp_path, "train.progress=true", "train.max_steps=6", out=out).fit()
+    text = out.getvalue()
+    assert "\r" in text and "6/6" in text  # tqdm's redrawn bar
+    assert "step 3/6: loss " not in text  # and not the plain lines as well
+    assert trainer_module.redraws_lines(io.StringIO()) is False
