@@ -24,15 +24,20 @@ sorted token order; id 0 is reserved for an unknown or missing value (e.g. relea
 An interaction whose user or item is not in the user or item file is an error, not id 0.
 
 Dense features (``dense_names``): the user's age and the movie's release year, standardised
-(unknown year = 0), and log(1 + count) of the item's and of the user's training interactions,
-standardised over the training interactions.
+(unknown year = 0), and log(1 + count) of the item's and of the user's interactions strictly before
+this one in time (what is known when it happens; the same for training and eval interactions, so a
+user first seen in the eval period looks as a new user did in training), standardised over the
+training interactions.
 
-Split: interactions sorted by timestamp (stable); the last ``eval_fraction`` are the eval set.
+Split: interactions sorted by timestamp (stable); the last ``eval_fraction`` are the eval set, the
+cut moved back to the first interaction of its timestamp so that every eval interaction is later
+than every training one.
 Training batches are shuffled every epoch by a generator seeded by (seed, epoch).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence
 
@@ -139,17 +144,49 @@ def read_grouplens(directory: Path) -> Dict[str, Columns]:
 
 
 def _numbers(path: Path, name: str, texts: List[str], lines: List[int]) -> np.ndarray:
-    """``texts`` as numbers; ``lines``: the line number of each, for the error."""
+    """``texts`` as finite numbers; ``lines``: the line number of each, for the error (float()
+    takes "nan" and "inf": a NaN rating became label 0, a NaN timestamp sorted into the eval set)."""
     try:
-        return np.array(texts, dtype=np.float64)
+        values = np.array(texts, dtype=np.float64)
     except ValueError:
+        values = None
+    if values is None or not np.isfinite(values).all():
         for number, text in zip(lines, texts):
             try:
-                float(text)
+                value = float(text)
             except ValueError:
-                raise ValueError(f"{path}:{number}: column {name!r} holds {text!r}, "
-                                 "expected a number") from None
-        raise
+                raise ValueError(f"{path}:{number}: column {name!r} holds {text!r}, expected a number") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{path}:{number}: column {name!r} holds {text!r}, expected a finite number")
+        values = np.array([float(text) for text in texts], dtype=np.float64)
+    return values
+
+
+def _check_unique(path: Path, kind: str, ids: List[str], lines: List[int]) -> None:
+    """Refuse a user (item) file that lists an id twice (the last row silently won)."""
+    first: Dict[str, int] = {}
+    for token, number in zip(ids, lines):
+        if token in first:
+            raise ValueError(f"{path}:{number}: {kind} {token!r} is listed again (first on line {first[token]}); "
+                             f"each {kind} must have one row")
+        first[token] = number
+
+
+def _prior_counts(keys: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """For each interaction, how many interactions of the same key (user or item) have an earlier
+    time: what a count feature may know when the interaction happens."""
+    order = np.lexsort((times, keys))  # by key, then time
+    k, t = keys[order], times[order]
+    index = np.arange(k.size)
+    new_key = np.ones(k.size, dtype=bool)
+    new_key[1:] = k[1:] != k[:-1]
+    new_time = new_key.copy()
+    new_time[1:] |= t[1:] != t[:-1]
+    key_start = np.maximum.accumulate(np.where(new_key, index, 0))
+    time_start = np.maximum.accumulate(np.where(new_time, index, 0))  # ties: the count at the first of them
+    counts = np.empty(k.size, dtype=np.int64)
+    counts[order] = time_start - key_start
+    return counts
 
 
 def _vocabulary(tokens: Sequence[str]) -> Dict[str, int]:
@@ -210,6 +247,8 @@ class MovieLensSource:
         self.num_dense = len(DENSE_NAMES)
 
         # users: attribute ids indexed by the user's id (row 0 = unknown user)
+        _check_unique(paths["user"], "user", users["user_id"], users[LINE])
+        _check_unique(paths["item"], "item", items["item_id"], items[LINE])
         user_vocab = _vocabulary(users["user_id"])
         ages = numbers("user", "age", users["age"])
         attributes = {
@@ -258,18 +297,23 @@ class MovieLensSource:
         self._item = np.array([item_vocab[i] for i in inter["item_id"]], dtype=np.int64)[order]
         self._labels = (ratings[order] >= cfg.min_rating_positive).astype(np.float32)
         num = order.size
-        self._num_train = num - int(round(num * cfg.eval_fraction))
+        cut = num - int(round(num * cfg.eval_fraction))
+        if 0 < cut < num:  # not inside a run of equal timestamps: the eval set is later than training
+            cut = int(np.searchsorted(self.timestamps, self.timestamps[cut], side="left"))
+        self._num_train = cut
         if self._num_train <= 0 or num == 0:
+            tied = f" (all before the cut share timestamp {self.timestamps[0]:.0f})" if num else ""
             raise ValueError(f"{paths['inter']}: {num} interactions leave no training data "
-                             f"with eval_fraction {cfg.eval_fraction}")
+                             f"with eval_fraction {cfg.eval_fraction}{tied}")
         if self._num_train == num:
             raise ValueError(f"{paths['inter']}: {num} interactions leave no eval data with eval_fraction "
                              f"{cfg.eval_fraction}: raise data.movielens.eval_fraction")
 
         train = slice(0, self._num_train)
-        item_counts = np.log1p(np.bincount(self._item[train], minlength=len(item_vocab) + 1))
-        user_counts = np.log1p(np.bincount(self._user[train], minlength=len(user_vocab) + 1))
-        item_pop, user_act = item_counts[self._item], user_counts[self._user]
+        # counts known when each interaction happens (whole-period training counts told a training
+        # interaction its user's future, and put eval's new users below every training value)
+        item_pop = np.log1p(_prior_counts(self._item, self.timestamps))
+        user_act = np.log1p(_prior_counts(self._user, self.timestamps))
         self._dense = np.stack([
             user_age[self._user], item_year_dense[self._item],
             _standardise(item_pop, item_pop[train]), _standardise(user_act, user_act[train]),

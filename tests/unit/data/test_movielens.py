@@ -21,7 +21,8 @@ def source():
 def test_counts_and_tables(source):
     assert isinstance(source, MovieLensSource) and source.name == "movielens"
     assert source.num_train_samples() + source.num_eval_samples() == 100_000
-    assert source.num_eval_samples() == 20_000
+    # 20% is 20,000; the cut moves back to the first of its timestamp's 4 interactions (1 had been in training)
+    assert source.num_eval_samples() == 20_001
     assert source.feature_names == FEATURES
     tables = {t.feature_names[0]: t for t in source.tables(embedding_dim=8)}
     assert tables["user"].num_embeddings == 943 + 1 and tables["item"].num_embeddings == 1682 + 1
@@ -31,7 +32,7 @@ def test_counts_and_tables(source):
 
 
 def test_temporal_split(source):
-    assert source.train_timestamps().max() <= source.eval_timestamps().min()
+    assert source.train_timestamps().max() < source.eval_timestamps().min()  # no timestamp on both sides
     assert np.all(np.diff(source.train_timestamps()) >= 0)
 
 
@@ -51,7 +52,7 @@ def test_batches_shapes_ranges_and_labels(source):
                 assert torch.all(jt.lengths == 1), key
         labels.append(batch.labels)
     labels = torch.cat(labels)
-    assert labels.numel() == 20_000 and set(labels.unique().tolist()) == {0.0, 1.0}
+    assert labels.numel() == 20_001 and set(labels.unique().tolist()) == {0.0, 1.0}
     train_rate = torch.cat([b.labels for b in source.train_batches(8192)]).mean()
     assert 0.5 < float(train_rate) < 0.6  # ratings 4 and 5 are 55% of the 100k ratings
 
