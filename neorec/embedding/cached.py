@@ -442,6 +442,18 @@ class CachedEmbeddingBagCollection(nn.Module):
             column += dim
         return KeyedTensor(self.feature_names, self.embedding_dims, values)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` / ``.cuda()`` / ``.half()`` leave ``host_tbe`` as it is: its tables live in
+        host memory by design (``build_model`` moving the whole model put them on the GPU, and the
+        first forward, which hands them host ids, failed)."""
+        if "host_tbe" not in self._modules:
+            return super()._apply(fn, recurse)
+        host = self._modules.pop("host_tbe")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules["host_tbe"] = host
+
     def _with_host_tables(self, values: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
         """``values`` of the fused module with the host module's columns added, in feature order."""
         if self.host_tbe is None:

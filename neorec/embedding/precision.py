@@ -118,7 +118,8 @@ class Rounder:
             else:
                 self._generator.manual_seed(int(self.seed))
             if self._pending_state is not None:
-                self._generator.set_state(self._pending_state)
+                if self._pending_state.numel() == self._generator.get_state().numel():  # else: another device's
+                    self._generator.set_state(self._pending_state)
                 self._pending_state = None
         return self._generator
 
@@ -141,12 +142,17 @@ class Rounder:
             return self._pending_state.clone()
         return torch.zeros(0, dtype=torch.uint8)
 
-    def set_state(self, state: torch.Tensor) -> None:
-        """Restore a state from ``get_state`` (empty: start again from the seed)."""
+    def set_state(self, state: torch.Tensor) -> bool:
+        """Restore a state from ``get_state`` (empty: start again from the seed). False, and nothing
+        restored, for the state of another kind of device's generator (a CPU generator's state is
+        5056 bytes, a CUDA one's 16: a checkpoint saved on a GPU resumed on the CPU, or back)."""
         state = state.detach().to("cpu", torch.uint8)
         if state.numel() == 0:
             self._generator, self._pending_state = None, None
         elif self._generator is not None:
+            if state.numel() != self._generator.get_state().numel():
+                return False
             self._generator.set_state(state)
         else:
             self._pending_state = state.clone()
+        return True

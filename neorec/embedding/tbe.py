@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -161,6 +162,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 self._replica_rounder.generator(self.weights.device)
                 self.register_buffer("replica_rounding_rng_state", self._replica_rounder.get_state())
             self.register_state_dict_pre_hook(_save_rounding_state)
+            self._register_load_state_dict_pre_hook(_adopt_rounding_state, with_module=True)
             self.register_load_state_dict_post_hook(_load_rounding_state)
         # the tables behind the flat buffers (name, rows, dim, in buffer order), as UTF-8 JSON: saved
         # by state_dict(), checked by load_state_dict before any buffer is copied (_check_layout)
@@ -207,12 +209,12 @@ class TableBatchedEmbeddingBags(nn.Module):
                 block = torch.empty(min(_INIT_CHUNK, end - start), dtype=torch.float32)
                 weights[start : start + block.numel()] = block.uniform_(-bound, bound, generator=generator)
 
-    def get_table_weight(self, name: str) -> torch.Tensor:
-        """fp32 copy [num_embeddings, embedding_dim] of table ``name``."""
+    def get_table_weight(self, name: str, device: Optional[torch.device | str] = None) -> torch.Tensor:
+        """fp32 copy [num_embeddings, embedding_dim] of table ``name`` (on ``device``, default the module's)."""
         t = self._table(name)
         rows, dim = self.table_rows[t], self.table_dims[t]
         flat = self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim]
-        return flat.view(rows, dim).to(torch.float32, copy=True)
+        return flat.view(rows, dim).to(device or flat.device, torch.float32, copy=True)
 
     def set_table_weight(self, name: str, weight: torch.Tensor) -> None:
         """Overwrite table ``name`` with ``weight`` [num_embeddings, embedding_dim] (rounded to
@@ -224,13 +226,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         with torch.no_grad():
             self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim].copy_(weight.reshape(-1))
 
-    def get_optimizer_state(self, name: str) -> Dict[str, torch.Tensor]:
-        """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...}."""
+    def get_optimizer_state(self, name: str, device: Optional[torch.device | str] = None) -> Dict[str, torch.Tensor]:
+        """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...} (on
+        ``device``, default the module's)."""
         t = self._table(name)
         group = self.layout.groups[self.layout.table_group[t]]
         views = self._group_states(group)
         lo = self.table_row_offset_in_group[t]
-        return {k: v[lo : lo + self.table_rows[t]].clone() for k, v in views.items()}
+        return {k: v[lo : lo + self.table_rows[t]].to(device or v.device, copy=True) for k, v in views.items()}
 
     def set_optimizer_state(self, name: str, state: Dict[str, torch.Tensor]) -> None:
         """Overwrite table ``name``'s optimizer state; ``state`` as ``get_optimizer_state`` returns."""
@@ -477,6 +480,17 @@ def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_va
     module.rounding_rng_state = module._rounder.get_state().to(module.weights.device)
     if module._replica_rounder is not None:
         module.replica_rounding_rng_state = module._replica_rounder.get_state().to(module.weights.device)
+
+
+def _adopt_rounding_state(module: TableBatchedEmbeddingBags, state_dict, prefix, *args) -> None:
+    """Before loading: a rounding generator state saved on another kind of device (its size differs)
+    cannot be restored; keep this module's own sequence and say so, instead of failing the load."""
+    for name in ("rounding_rng_state", "replica_rounding_rng_state"):
+        key, own = prefix + name, getattr(module, name, None)
+        if own is not None and key in state_dict and state_dict[key].shape != own.shape:
+            warnings.warn(f"load_state_dict: {key} was saved by a generator of another kind of device; "
+                          "stochastic rounding goes on from this module's own generator")
+            state_dict[key] = own
 
 
 def _load_rounding_state(module: TableBatchedEmbeddingBags, incompatible_keys) -> None:

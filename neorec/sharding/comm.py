@@ -32,6 +32,7 @@ class CommStats:
         self.bytes_sent: Dict[str, int] = {}
         self.calls: Dict[str, int] = {}
         self.blocked: Dict[str, float] = {}  # seconds blocked waiting on each collective
+        self.now: Callable[[], float] = time.perf_counter  # the clock of those waits (timeline.step_clock)
 
     def add_blocked(self, name: str, seconds: float) -> None:
         self.blocked[name] = self.blocked.get(name, 0.0) + seconds
@@ -80,11 +81,11 @@ class Awaitable(Generic[T]):
     def wait(self) -> T:
         if self._finish is not None:
             timed = self._stats is not None and bool(self._works)
-            start = time.perf_counter() if timed else 0.0
+            start = self._stats.now() if timed else 0.0
             for work in self._works:
                 work.wait()
             if timed:
-                self._stats.add_blocked(self._name, time.perf_counter() - start)
+                self._stats.add_blocked(self._name, self._stats.now() - start)
             self._result = self._finish()
             self._finish, self._works, self._progress = None, [], None
         return self._result  # type: ignore[return-value]
@@ -142,10 +143,10 @@ class _DifferentiableAllToAll(torch.autograd.Function):
         if ctx.stats is not None:
             ctx.stats.record(ctx.name + ".backward", _remote_bytes(ctx.recv_splits, dist.get_rank(ctx.group),
                                                                    grad_output.element_size()))
-        start = time.perf_counter()
+        start = ctx.stats.now() if ctx.stats is not None else 0.0
         dist.all_to_all_single(grad_input, grad_output, ctx.send_splits, ctx.recv_splits, group=ctx.group)
         if ctx.stats is not None:
-            ctx.stats.add_blocked(ctx.name + ".backward", time.perf_counter() - start)
+            ctx.stats.add_blocked(ctx.name + ".backward", ctx.stats.now() - start)
         return None, grad_input, None, None, None, None, None, None
 
 
@@ -176,10 +177,10 @@ def all_reduce_sum_reducer(group: Optional[dist.ProcessGroup], stats: Optional[C
     def reduce(tensor: torch.Tensor) -> None:
         if dist.get_world_size(group) == 1:
             return
-        start = time.perf_counter()
+        start = stats.now() if stats is not None else 0.0
         dist.all_reduce(tensor, group=group)
         if stats is not None:
             stats.record(name, tensor.numel() * tensor.element_size())
-            stats.add_blocked(name, time.perf_counter() - start)
+            stats.add_blocked(name, stats.now() - start)
 
     return reduce

@@ -7,7 +7,8 @@ shard-feature columns of rank s's samples (rows of s's block) are sent to s in o
 The owner places every column of what it got from ranks 0..W-1 and of its own replica columns:
 without row-wise pieces the output is those parts as ``ColumnBlocks`` (a permutation of column
 blocks, copied into one matrix only when asked: the native dot interaction reads the blocks where
-they are); with them, the parts are concatenated and the row-wise partial sums ADDED (index_add).
+they are); with them, the parts are concatenated and the row-wise partial sums ADDED (index_add,
+in rank order: ``addition_layers``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ class OutputPlacement:
 
     def __init__(self, routing: Routing, device: torch.device) -> None:
         self.routing = routing
-        self.columns = torch.tensor(routing.columns, dtype=torch.int64, device=device)
         self.flat_widths = [d for d in routing.dims_on if d]  # the received blocks' widths
         self.runs: Optional[List[Tuple[int, int, int, int]]] = None
+        self.layers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         if not routing.additive:
             replica = [routing.replica_dim] if routing.replica_dim else []
             self.runs = part_runs(routing.columns, self.flat_widths + replica)
+        else:
+            self.layers = [(torch.tensor(src, dtype=torch.int64, device=device),
+                            torch.tensor(dst, dtype=torch.int64, device=device))
+                           for src, dst in addition_layers(routing.columns)]
 
     def place(self, flat: torch.Tensor, rows: int, replica: Optional[torch.Tensor]) -> Union[torch.Tensor, ColumnBlocks]:
         """The received blocks (``flat``: rank r's [rows, dims_on[r]] block after rank r-1's) and
@@ -55,7 +60,26 @@ class OutputPlacement:
         parts = flat_views(flat, rows, self.flat_widths) + extras
         received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         out = received.new_zeros(rows, self.routing.total_dim)
-        return out.index_add(1, self.columns, received)
+        for src, dst in self.layers:  # no target twice in one index_add: CUDA's atomics add in any order
+            out = out.index_add(1, dst, received.index_select(1, src))
+        return out
+
+
+def addition_layers(columns: Sequence[int]) -> List[Tuple[List[int], List[int]]]:
+    """The additions of received column ``i`` into output column ``columns[i]``, in layers: layer k
+    holds each output column's k-th contribution (in received order), so that no layer names a
+    column twice. Adding the layers in order adds every column's partial sums in rank order: the same
+    bits on every device (one ``index_add`` with repeated targets is atomic, unordered, on CUDA)."""
+    seen: dict = {}
+    layers: List[Tuple[List[int], List[int]]] = []
+    for source, target in enumerate(columns):
+        k = seen.get(target, 0)
+        seen[target] = k + 1
+        if k == len(layers):
+            layers.append(([], []))
+        layers[k][0].append(source)
+        layers[k][1].append(target)
+    return layers
 
 
 def column_runs(columns: Sequence[int]) -> List[Tuple[int, int, int]]:

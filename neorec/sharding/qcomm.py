@@ -51,7 +51,6 @@ Codecs are deterministic: the same inputs give the same bits.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -239,11 +238,11 @@ class _Decode(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         e = ctx.exchange
         grad = grad_output.contiguous().to(torch.float32)
-        start = time.perf_counter()
+        start = e["stats"].now() if e["stats"] is not None else 0.0
         _, _, received = _exchange(e["backward"], grad, e["recv_shapes"], e["send_shapes"], e["group"], e["stats"],
                                    e["name"] + ".backward", async_op=False)
         if e["stats"] is not None:
-            e["stats"].add_blocked(e["name"] + ".backward", time.perf_counter() - start)
+            e["stats"].add_blocked(e["name"] + ".backward", e["stats"].now() - start)
         return None, decode_blocks(e["backward"], received, e["send_shapes"]), None, None
 
 

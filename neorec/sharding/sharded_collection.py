@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from neorec.devices import concrete_device
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
@@ -94,7 +95,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.embedding_dims: List[int] = list(self.routing.feature_dims)
         self.comm_stats = comm_stats
         self.comm = comm if comm is not None else CommConfig()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = concrete_device(device)  # inputs are checked against it: "cuda" must say "cuda:0"
         local_tables = self.routing.local_tables(self.rank)
         self.tbe: Optional[TableBatchedEmbeddingBags] = None
         if local_tables:

@@ -49,6 +49,7 @@ from neorec.train.checkpoint_config import CheckpointConfig
 from neorec.files import write_atomic
 from neorec.train.checkpoint_files import UnquantizableRowError, load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import count_modified, model_pieces, piece_bytes, restore_pieces, save_pieces
+from neorec.train.distributed import all_reduce_sums
 
 FORMAT = "neorec-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -278,9 +279,7 @@ class Checkpointer:
                     full += piece_bytes(self.tbe, piece, rows, self.cfg.row_bits)
                     incremental += piece_bytes(self.tbe, piece, count_modified(self.tbe, piece), self.cfg.row_bits)
         if self.world_size > 1:
-            totals = torch.tensor([full, incremental], dtype=torch.float64)
-            dist.all_reduce(totals, group=self.group)
-            full, incremental = totals.tolist()
+            full, incremental = all_reduce_sums([full, incremental], self.group, self.trainer.device)
         if self.increment_bytes + incremental > self.cfg.full_when_fraction_exceeds * full:
             return "full"
         return "incremental"
@@ -448,13 +447,12 @@ class Checkpointer:
                 same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
                     trainer.plan.to_dict() if trainer.plan is not None else None)
                 saved = load_tensors(path / f"rank{self.rank}.pt") if same_layout else {}
-                if "rng.rounding" in saved:
-                    self.tbe._rounder.set_state(saved["rng.rounding"])
+                if "rng.rounding" in saved and self.tbe._rounder.set_state(saved["rng.rounding"]):
                     if self.tbe._replica_rounder is not None and "rng.replica_rounding" in saved:
                         self.tbe._replica_rounder.set_state(saved["rng.replica_rounding"])
                 else:
-                    self._say("stochastic-rounding generators restart from their seed (another world size or "
-                              "plan, or a checkpoint saved without stochastic rounding)")
+                    self._say("stochastic-rounding generators restart from their seed (another world size, plan "
+                              "or kind of device, or a checkpoint saved without stochastic rounding)")
             if self.cfg.incremental:
                 self.tbe.track_modified_rows()  # clears the marks: the restored rows are the checkpoint's
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])

@@ -158,8 +158,10 @@ def restore_pieces(tbe: Optional[TableBatchedEmbeddingBags], pieces: List[LocalP
         return
     for piece in pieces:
         rows, cols = piece.row_end - piece.row_start, piece.col_end - piece.col_start
-        weight = tbe.get_table_weight(piece.local)
-        state = tbe.get_optimizer_state(piece.local)
+        # merged on host copies: the saved tensors are host tensors, and CUDA refuses indexed writes
+        # of host values into device tensors (set_table_weight / set_optimizer_state copy back)
+        weight = tbe.get_table_weight(piece.local, device="cpu")
+        state = tbe.get_optimizer_state(piece.local, device="cpu")
         covered = 0
         for depth, (entries, tensors_of) in enumerate(chain):
             row_state_sum = {k: torch.zeros(rows) for k, v in state.items() if v.dim() == 1}

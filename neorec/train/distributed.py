@@ -26,7 +26,7 @@ import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,8 @@ class DistributedContext:
         if use_cuda:
             if not torch.cuda.is_available():
                 raise ValueError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-            torch_device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch_device = torch.device("cuda", rank_gpu(local_rank, local_world, torch.cuda.device_count(),
+                                                         os.environ.get("CUDA_VISIBLE_DEVICES")))
             torch.cuda.set_device(torch_device)
             backend = "nccl"
         else:
@@ -123,6 +124,19 @@ class DistributedContext:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.embedding_group = self.dense_group = None
+
+
+def rank_gpu(local_rank: int, local_world: int, gpus: int, visible: Optional[str]) -> int:
+    """The CUDA device of local rank ``local_rank``: its own one of the node's ``gpus``, or device 0
+    where a launcher gave each rank one GPU of its own (``CUDA_VISIBLE_DEVICES`` set, one visible).
+    More ranks than GPUs is an error: two ranks on one GPU make NCCL fail ("Duplicate GPU") or hang."""
+    if local_world <= gpus:
+        return local_rank
+    if gpus == 1 and visible:
+        return 0
+    raise ValueError(f"{local_world} ranks on this node but {gpus} CUDA device(s) visible: start at most {gpus} "
+                     "ranks per node (torchrun --nproc-per-node, neorec train --nproc), give each rank its own "
+                     "GPU with CUDA_VISIBLE_DEVICES, or train on the CPU (train.device = 'cpu')")
 
 
 def _init_default_group(backend: str, rank: int, world: int, timeout: timedelta) -> None:
@@ -204,9 +218,16 @@ def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch_size: in
 
 
 def all_reduce_sum(value: float, group: Any, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    """The sum of ``value`` over the ranks of ``group``."""
+    return all_reduce_sums([value], group, device)[0]
+
+
+def all_reduce_sums(values: List[float], group: Any, device: torch.device) -> List[float]:
+    """The element-wise sums of ``values`` over the ranks of ``group``, exchanged as one float64
+    tensor on ``device`` (the group's device: NCCL has no CPU tensors)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, group=group)
-    return float(tensor)
+    return tensor.tolist()
 
 
 def broadcast_text(text: Optional[str], group: Any, device: torch.device, src: int = 0) -> str:

@@ -34,18 +34,34 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
+import torch
 from torch import nn
 
 PHASES = ("data_loading", "input_dist", "lookup", "dense_forward", "output_dist", "backward", "optimizer", "other")
 _SPARSE_FORWARD = ("input_dist", "lookup", "output_dist")
 
 
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter``, on a CUDA device after ``torch.cuda.synchronize``: kernels and NCCL
+    collectives return before their work is done, so an unsynchronized phase time is the time to
+    queue it (a wait on an all-to-all read ~0 exposed communication). Only while profiling."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synchronized() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronized
+
+
 class StepTimeline:
     """Accumulates phase times of training steps (one instance per trainer; not thread-safe)."""
 
-    def __init__(self, comm_stats=None) -> None:
+    def __init__(self, comm_stats=None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._now = clock  # step_clock(device): on a GPU, phase ends wait for the work queued in them
         self.seconds: Dict[str, float] = {name: 0.0 for name in PHASES}
         self.comm_stats = comm_stats  # a CommStats whose blocked times are the exposed communication
         self.exposed_comm = 0.0
@@ -79,11 +95,11 @@ class StepTimeline:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase ``name``."""
-        start = time.perf_counter()
+        start = self._now()
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - start
+            elapsed = self._now() - start
             self.add(name, elapsed)
             if name in _SPARSE_FORWARD and not self._paused:
                 self._in_forward += elapsed
@@ -92,11 +108,11 @@ class StepTimeline:
     def forward(self) -> Iterator[None]:
         """Time a step's forward + loss; what its sparse phases did not take is ``dense_forward``."""
         self._in_forward = 0.0
-        start = time.perf_counter()
+        start = self._now()
         try:
             yield
         finally:
-            self.add("dense_forward", max(0.0, time.perf_counter() - start - self._in_forward))
+            self.add("dense_forward", max(0.0, self._now() - start - self._in_forward))
 
     def end_step(self, step_seconds: float) -> None:
         """Close a step of ``step_seconds`` wall time; the untimed rest of it is ``other``."""
@@ -126,11 +142,11 @@ class StepTimeline:
             sparse = getattr(module, "sparse_arch", None)
             if isinstance(sparse, nn.Module):
                 starts: List[float] = []
-                self._hooks.append(sparse.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())))
+                self._hooks.append(sparse.register_forward_pre_hook(lambda *_: starts.append(self._now())))
                 self._hooks.append(sparse.register_forward_hook(lambda *_: self._lookup_done(starts)))
 
     def _lookup_done(self, starts: List[float]) -> None:
-        elapsed = time.perf_counter() - starts.pop()
+        elapsed = self._now() - starts.pop()
         self.add("lookup", elapsed)
         if not self._paused:
             self._in_forward += elapsed

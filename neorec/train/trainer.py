@@ -28,6 +28,7 @@ from neorec.config import Config, DenseOptimizerConfig
 from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.embedding import EmbeddingBagCollection
+from neorec.devices import concrete_device
 from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
 from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
@@ -38,7 +39,7 @@ from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather
                                      threads_per_rank)
 from neorec.train.metrics import MetricsAccumulator, compute_metrics
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
-from neorec.train.timeline import StepTimeline
+from neorec.train.timeline import StepTimeline, step_clock
 
 
 class NonFiniteLossError(ValueError):
@@ -67,10 +68,10 @@ class TrainResult:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return concrete_device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-    return torch.device(name)
+    return concrete_device(name)
 
 
 def ssd_dir_of(cfg: Config) -> str:
@@ -246,7 +247,9 @@ class Trainer:
 
             comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
-        self.timeline = StepTimeline(comm_stats) if cfg.train.profile else None
+        self.timeline = StepTimeline(comm_stats, clock=step_clock(self.device)) if cfg.train.profile else None
+        if self.timeline is not None and comm_stats is not None:
+            comm_stats.now = self.timeline._now
         if distributed is not None:
             self._distribute(plan, comm_stats)
         if self.timeline is not None:

@@ -21,12 +21,22 @@ device-to-host copy.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def launch_device(tensor: torch.Tensor):
+    """A context in which a Triton kernel launches on ``tensor``'s GPU: Triton launches on the
+    current CUDA device, which is not the tensors' when a module lives on cuda:1 and nobody called
+    ``torch.cuda.set_device``. On the CPU (the interpreter) nothing to do."""
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()
+
+
 OPTIMIZER_KINDS = ("sgd", "rowwise_adagrad", "adagrad")
 
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from neorec.embedding.kernels.layout import launch_device
+
 _UNAVAILABLE = torch.iinfo(torch.int64).max  # the key of a pinned way (as cache._UNAVAILABLE)
 _FIND_BLOCK = 128
 _LFU_MASK = (1 << 31) - 1
@@ -109,8 +111,9 @@ def cache_find(slot_rows: torch.Tensor, num_sets: int, ways: int, rows: torch.Te
         return slots, sets
     block_w = min(triton.next_power_of_2(ways), 64)
     grid = (triton.cdiv(rows.numel(), _FIND_BLOCK),)
-    _cache_find_kernel[grid](rows, slot_rows, slots, sets, rows.numel(), num_sets, ways, hash_multiplier,
-                             BLOCK=_FIND_BLOCK, BLOCK_W=block_w)
+    with launch_device(rows):
+        _cache_find_kernel[grid](rows, slot_rows, slots, sets, rows.numel(), num_sets, ways, hash_multiplier,
+                                 BLOCK=_FIND_BLOCK, BLOCK_W=block_w)
     return slots, sets
 
 
@@ -130,9 +133,10 @@ def cache_place(slot_rows: torch.Tensor, last_use: torch.Tensor, counts: torch.T
     order = torch.argsort(sets, stable=True)
     set_ids, per_set = torch.unique_consecutive(sets.index_select(0, order), return_counts=True)
     starts = torch.cumsum(per_set, 0).sub_(per_set)
-    _cache_place_kernel[(set_ids.numel(),)](
-        slot_rows, last_use, counts, pinned_until, set_ids, starts, per_set, order, slots,
-        ways, completed, generation,
-        LFU=bool(lfu), UNAVAILABLE=_UNAVAILABLE, LFU_MASK=_LFU_MASK, BLOCK_W=triton.next_power_of_2(ways),
-    )
+    with launch_device(slot_rows):
+        _cache_place_kernel[(set_ids.numel(),)](
+            slot_rows, last_use, counts, pinned_until, set_ids, starts, per_set, order, slots,
+            ways, completed, generation,
+            LFU=bool(lfu), UNAVAILABLE=_UNAVAILABLE, LFU_MASK=_LFU_MASK, BLOCK_W=triton.next_power_of_2(ways),
+        )
     return slots

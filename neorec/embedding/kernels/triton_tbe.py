@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from neorec.embedding.kernels.layout import TableBatchedLayout, check_batch, check_optimizer_kind
+from neorec.embedding.kernels.layout import TableBatchedLayout, check_batch, check_optimizer_kind, launch_device
 from neorec.embedding.kernels.segments import RowSegments, build_row_segments
 
 _OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
@@ -239,15 +239,16 @@ def tbe_forward(
     block_l, block_d = _block_shape(layout.max_dim, 128, 2048)
     grid = (num_bags, triton.cdiv(layout.max_dim, block_d))
     has_weights = per_value_weights is not None
-    _pooled_forward_kernel[grid](
-        weights, indices.contiguous(), bag_offsets.contiguous(),
-        per_value_weights.contiguous() if has_weights else indices,
-        layout.table_offsets, layout.table_dims, layout.table_rows,
-        layout.feature_table, layout.feature_pooling_mean, layout.output_col_offsets,
-        output, batch_size, layout.total_cols,
-        HAS_WEIGHTS=has_weights, BLOCK_L=block_l, BLOCK_D=block_d,
-        num_warps=4 if block_d >= 64 else 2,
-    )
+    with launch_device(weights):
+        _pooled_forward_kernel[grid](
+            weights, indices.contiguous(), bag_offsets.contiguous(),
+            per_value_weights.contiguous() if has_weights else indices,
+            layout.table_offsets, layout.table_dims, layout.table_rows,
+            layout.feature_table, layout.feature_pooling_mean, layout.output_col_offsets,
+            output, batch_size, layout.total_cols,
+            HAS_WEIGHTS=has_weights, BLOCK_L=block_l, BLOCK_D=block_d,
+            num_warps=4 if block_d >= 64 else 2,
+        )
     return output
 
 
@@ -311,23 +312,25 @@ def tbe_backward_update(
     partials = grad_output  # placeholder pointer when no row is long
     if segments.num_chunks:
         partials = torch.empty(segments.num_chunks, block_d, dtype=torch.float32, device=weights.device)
-        _chunk_partial_kernel[(segments.num_chunks,)](
-            grad_output, segments.sorted_grad_offsets, segments.sorted_scales,
-            segments.chunk_value_starts, segments.chunk_value_ends, segments.chunk_dims,
-            partials, block_d, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
-        )
+        with launch_device(weights):
+            _chunk_partial_kernel[(segments.num_chunks,)](
+                grad_output, segments.sorted_grad_offsets, segments.sorted_scales,
+                segments.chunk_value_starts, segments.chunk_value_ends, segments.chunk_dims,
+                partials, block_d, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+            )
     stochastic = bool(stochastic_rounding) and weights.dtype != torch.float32
-    _fused_backward_update_kernel[(segments.num_rows,)](
-        weights, state if state is not None else grad_output, grad_output,
-        segments.value_starts, segments.value_ends,
-        segments.partial_starts if segments.num_chunks else segments.value_starts,
-        segments.partial_ends if segments.num_chunks else segments.value_ends,
-        partials, block_d,
-        segments.row_weight_offsets, segments.row_dims, segments.row_state_index,
-        segments.sorted_grad_offsets, segments.sorted_scales,
-        float(learning_rate), float(eps), float(weight_decay), int(seed) & 0x7FFFFFFFFFFFFFFF,
-        OPTIMIZER=_OPTIMIZER_CODES[kind], BF16=weights.dtype == torch.bfloat16,
-        STOCHASTIC=stochastic, HAS_PARTIALS=segments.num_chunks > 0,
-        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    with launch_device(weights):
+        _fused_backward_update_kernel[(segments.num_rows,)](
+            weights, state if state is not None else grad_output, grad_output,
+            segments.value_starts, segments.value_ends,
+            segments.partial_starts if segments.num_chunks else segments.value_starts,
+            segments.partial_ends if segments.num_chunks else segments.value_ends,
+            partials, block_d,
+            segments.row_weight_offsets, segments.row_dims, segments.row_state_index,
+            segments.sorted_grad_offsets, segments.sorted_scales,
+            float(learning_rate), float(eps), float(weight_decay), int(seed) & 0x7FFFFFFFFFFFFFFF,
+            OPTIMIZER=_OPTIMIZER_CODES[kind], BF16=weights.dtype == torch.bfloat16,
+            STOCHASTIC=stochastic, HAS_PARTIALS=segments.num_chunks > 0,
+            BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+        )
     return segments
