@@ -37,7 +37,7 @@ def _native_ok(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 def copy_blocks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every ``(dst, src)`` pair. The fast path takes 2-D CPU tensors with
-    the same number of rows, equal dtype and shape in each pair and unit column stride (any row
+    the same number of rows, equal dtype (pairs may differ) and shape in each pair and unit column stride (any row
     stride); anything else is copied pair by pair with ``copy_``. Destinations must not overlap
     each other or the sources."""
     pairs = [(d, s) for d, s in pairs if d.numel()]
@@ -48,8 +48,8 @@ def copy_blocks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
             dst.copy_(src)
         return
     rows = pairs[0][0].shape[0]
-    size = pairs[0][0].element_size()
-    table, pointers = int64_table([[s.data_ptr(), s.stride(0) * size, d.data_ptr(), d.stride(0) * size,
-                                    d.shape[1] * size] for d, s in pairs], 5)
+    table, pointers = int64_table([[s.data_ptr(), s.stride(0) * s.element_size(), d.data_ptr(),
+                                    d.stride(0) * d.element_size(), d.shape[1] * d.element_size()]
+                                   for d, s in pairs], 5)  # bytes, each pair in its own dtype
     total = int(table[4].sum()) * rows
     build.load().neorec_copy_blocks(rows, len(pairs), *pointers, threads.threads_for(total, MIN_BYTES_PER_THREAD))

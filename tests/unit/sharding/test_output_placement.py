@@ -84,3 +84,18 @@ def test_copy_blocks_falls_back_for_other_layouts():
     other_rows = torch.empty(3, 2)
     copy_blocks([(strided, source), (other_rows, source[:3, :2]), (torch.empty(6, 0), source[:, :0])])
     assert torch.equal(strided, source) and torch.equal(other_rows, source[:3, :2])
+
+
+def test_copy_blocks_takes_pairs_of_different_dtypes():
+    """Every pair's byte strides and widths were computed with the first pair's element size: an
+    fp64 pair after an fp32 one was copied short, an fp16 one past its rows' ends (heap corruption)."""
+    from neorec.native.blocks import copy_blocks
+
+    rows = 4
+    a_src, a_dst = torch.randn(rows, 2), torch.zeros(rows, 2)
+    b_src, b_dst = torch.randn(rows, 3, dtype=torch.float64), torch.zeros(rows, 3, dtype=torch.float64)
+    c_src = torch.arange(rows * 8, dtype=torch.float16).view(rows, 8)
+    c_dst = torch.full((rows, 8), -1.0, dtype=torch.float16)
+    copy_blocks([(a_dst, a_src), (b_dst, b_src), (c_dst[:, :3], c_src[:, :3])])
+    assert torch.equal(a_dst, a_src) and torch.equal(b_dst, b_src)
+    assert torch.equal(c_dst[:, :3], c_src[:, :3]) and bool((c_dst[:, 3:] == -1).all())  # nothing past the block
