@@ -4,7 +4,7 @@
 The C sources ship with the package and are compiled on first use with the system C compiler
 (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
 library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
-hash of the sources, the flags, the compiler's version and this CPU's model and flags; later
+hash of the sources, the flags, the compiler's version and this CPU's kind (``_cpu_signature``); later
 processes load the cached library with ctypes (the first build takes several seconds: ~10 s on
 this project's 2-core machine). When that folder cannot be written, the build goes to a per-user
 folder under the temp directory, used only while it is this user's alone (owned by them, writable
@@ -72,25 +72,46 @@ class NativeUnavailable(RuntimeError):
 
 
 def find_compiler() -> Optional[str]:
-    """``$CC``, else the first of cc / gcc / clang on the PATH (None when there is none)."""
-    for name in [os.environ.get("CC", "")] + ["cc", "gcc", "clang"]:
-        if name and shutil.which(name):
+    """The compiler command: ``$CC`` (it may carry words of its own, as ``ccache gcc``) when its
+    program is on the PATH, else the first of cc / gcc / clang there (None when there is none)."""
+    words = shlex.split(os.environ.get("CC", ""))
+    if words and shutil.which(words[0]):
+        return shlex.join([shutil.which(words[0]), *words[1:]])
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
             return shutil.which(name)
     return None
 
 
-def _cpu_signature() -> str:
+# /proc/cpuinfo fields that change while the machine runs or name one core: not the CPU's kind
+_VOLATILE_CPU_FIELDS = ("processor", "cpu mhz", "bogomips", "core id", "physical id", "apicid", "initial apicid",
+                        "siblings", "cpu cores")
+
+
+def _cpu_signature(cpuinfo: Optional[str] = None) -> str:
+    """What identifies this CPU's kind for ``-march=native``: every distinct line of /proc/cpuinfo
+    but the volatile ones (x86 names its model and flags; ARM its implementer, part and features)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
+        if cpuinfo is None:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
     except OSError:
         return platform.processor()
+    lines = {line.strip() for line in cpuinfo.splitlines()
+             if line.strip() and line.split(":", 1)[0].strip().lower() not in _VOLATILE_CPU_FIELDS}
+    return "\n".join(sorted(lines))
 
 
-def cache_dir() -> Path:
+def cache_dir() -> Optional[Path]:
+    """``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``; None without a home folder
+    (no HOME and no passwd entry: containers run as an unnamed user)."""
     root = os.environ.get("NEOREC_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "neorec" / "kernels"
+    if root:
+        return Path(root)
+    try:
+        return Path.home() / ".cache" / "neorec" / "kernels"
+    except (RuntimeError, KeyError):
+        return None
 
 
 def _writable_cache() -> Path:
@@ -98,9 +119,10 @@ def _writable_cache() -> Path:
     directory, if it is this user's alone (``_private``), else a fresh private temporary folder."""
     folder = cache_dir()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
     except OSError:
         pass
     folder = Path(tempfile.gettempdir()) / f"neorec-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
@@ -124,20 +146,21 @@ def _private(folder: Path) -> bool:
 def _build(compiler: str) -> Path:
     """The cached library for this source, compiler and CPU (compiled now when missing). A compiler
     without OpenMP support (e.g. clang without libomp) gets a single-threaded build."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    compiler_words = shlex.split(compiler)
+    version = subprocess.run([*compiler_words, "--version"], capture_output=True, text=True, timeout=60).stdout
     inputs = [*(s.read_text() for s in SOURCES + HEADERS), version, _cpu_signature(), platform.machine()]
     folder = _writable_cache()
     errors = []
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"] + ["-Wno-unknown-pragmas"]):
         digest = hashlib.sha256("\0".join(inputs + [" ".join(flags)]).encode()).hexdigest()[:16]
         name = f"neorec_cpu-{digest}.so"
-        for built_before in (cache_dir() / name, folder / name):  # a read-only cache may hold it
-            if built_before.exists():
-                return built_before
+        for place in (cache_dir(), folder):  # a read-only cache may hold it
+            if place is not None and (place / name).exists():
+                return place / name
         target = folder / name
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            command = [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"]
+            command = [*compiler_words, *flags, *map(str, SOURCES), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: concurrent builders (ranks) each rename a complete file
@@ -168,7 +191,7 @@ def load() -> ctypes.CDLL:
             for name, (restype, argtypes) in SIGNATURES.items():
                 function = getattr(library, name)
                 function.restype, function.argtypes = restype, argtypes
-        except (NativeUnavailable, OSError, subprocess.SubprocessError) as error:
+        except (NativeUnavailable, OSError, subprocess.SubprocessError, RuntimeError, ValueError) as error:
             _failure = str(error)
             raise NativeUnavailable(_failure) from None
         _library = library

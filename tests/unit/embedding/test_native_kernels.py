@@ -274,3 +274,54 @@ def test_native_refuses_buffers_changed_under_it():
     module.double()  # the buffers become float64 while the module stays on the native path
     with pytest.raises(ValueError, match="weights must stay a contiguous torch.float32 tensor"):
         module(kjt)
+
+
+def test_without_a_home_folder_the_build_goes_to_a_private_temp_folder(monkeypatch, tmp_path):
+    """No HOME and no passwd entry (a container run as an unnamed user): Path.home() raised, and
+    every TBE and DotInteraction with kernel "auto" raised with it instead of building elsewhere."""
+    import os
+    import pathlib
+    import tempfile
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("NEOREC_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert native_build.cache_dir() is None
+    assert native_build._writable_cache() == tmp_path / f"neorec-kernels-{os.getuid()}"
+
+
+def test_the_cache_key_tells_cpus_apart_on_every_architecture():
+    """Only x86's "model name" / "flags" lines were kept: on ARM every CPU had the same (empty) key,
+    so a cache shared by two kinds of node handed one the other's -march=native library (SIGILL)."""
+    graviton2 = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32\n" \
+                "CPU implementer\t: 0x41\nCPU part\t: 0xd0c\n"
+    graviton3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 sve\n" \
+                "CPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    assert native_build._cpu_signature(graviton2) != native_build._cpu_signature(graviton3)
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu MHz\t\t: 2994.374\nflags\t\t: fpu avx2\n"
+    same = x86.replace("2994.374", "1500.000").replace("processor\t: 0", "processor\t: 1")
+    assert native_build._cpu_signature(x86) == native_build._cpu_signature(same)  # clock and core number: not the kind
+
+
+def test_a_compiler_command_with_words_of_its_own_is_used_whole(monkeypatch, tmp_path):
+    """CC="ccache gcc" was not found as a program and the build quietly used cc instead."""
+    import shutil
+
+    monkeypatch.setenv("CC", "env cc")
+    assert native_build.find_compiler() == f"{shutil.which('env')} cc"
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
+    commands = []
+    real_run = native_build.subprocess.run
+
+    def record(command, **kwargs):
+        commands.append(command)
+        return real_run(["sh", "-c", "exit 3"], **kwargs) if "-o" in command else real_run(command, **kwargs)
+
+    monkeypatch.setattr(native_build.subprocess, "run", record)
+    with pytest.raises(native_build.NativeUnavailable):
+        native_build._build(native_build.find_compiler())
+    assert commands[0] == [shutil.which("env"), "cc", "--version"]
+    assert commands[1][:3] == [shutil.which("env"), "cc", "-O3"]
