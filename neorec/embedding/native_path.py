@@ -19,14 +19,27 @@ import torch
 
 from neorec.embedding.kernels.native_tbe import KIND_CODES, NativeKernels
 from neorec.embedding.path_common import PathLookup, features_in_order
-from neorec.native import native_available
+from neorec.native import MAX_NATIVE_DIM, native_available
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from neorec.embedding.tbe import TableBatchedEmbeddingBags
 
 NATIVE_OPTIMIZERS = tuple(KIND_CODES)
-MAX_NATIVE_DIM = 1 << 16  # the kernels keep a [dim] fp32 row on the stack (256 KiB at this dim)
+
+
+def check_bags(ids: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor], num_bags: int) -> None:
+    """What the C kernels trust, checked in O(1): one offset per bag and one more, the last at the
+    number of ids, a weight per id (a KeyedJaggedTensor built with validate=False whose lengths sum
+    past its values had the kernels read past the ids)."""
+    if offsets.numel() != num_bags + 1:
+        raise ValueError(f"KeyedJaggedTensor: {offsets.numel() - 1} bags, expected {num_bags} (features x batch size)")
+    end = int(offsets[-1]) if num_bags else 0
+    if int(offsets[0]) != 0 or end != ids.numel():
+        raise ValueError(f"KeyedJaggedTensor: its lengths add up to {end - int(offsets[0])}, but it has {ids.numel()} "
+                         "values (build it with validate=True to find the feature)")
+    if weights is not None and weights.numel() != ids.numel():
+        raise ValueError(f"KeyedJaggedTensor: {weights.numel()} weights for {ids.numel()} values")
 
 
 def native_unsupported_reason(module: "TableBatchedEmbeddingBags") -> Optional[str]:
@@ -92,6 +105,7 @@ class NativePath:
              batch_size: int) -> torch.Tensor:
         """[B, total_dim] pooled; ValueError naming the feature and table of an id outside its table."""
         self._check_buffers()
+        check_bags(ids, offsets, weights, len(self.module.feature_names) * batch_size)
         pooled, bad = self.kernels().forward(self.module.weights, ids, offsets, weights, batch_size)
         if bad >= 0:
             self._raise_bad_id(ids, offsets, batch_size, bad)
@@ -120,8 +134,8 @@ class NativePath:
     def backward(self, ids, offsets, weights, batch_size, grad_output) -> None:
         m = self.module
         self._check_buffers()
+        opt = m.checked_optimizer()
         m.step += 1
-        opt = m.optimizer
         self.kernels().backward_update(
             opt.kind, m.weights, getattr(m, "momentum1", None), ids, offsets, weights, batch_size,
             grad_output.to(torch.float32).contiguous(), learning_rate=opt.learning_rate, eps=opt.eps,

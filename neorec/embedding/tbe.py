@@ -120,6 +120,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.layout = build_layout(tables)
         self.tables: List[TableConfig] = list(self.layout.tables)
         self.optimizer = dataclasses.replace(optimizer)
+        self._state_kind = optimizer.kind  # the kind the optimizer state buffers are laid out for
         self.storage = dataclasses.replace(storage)
         self.dense_gradient = bool(dense_gradient)
         self.feature_names: List[str] = list(self.layout.feature_names)
@@ -191,9 +192,20 @@ class TableBatchedEmbeddingBags(nn.Module):
         """[group.num_rows, group.dim] view of the weights of one dim group."""
         return self.weights[group.element_start : group.element_end].view(group.num_rows, group.dim)
 
+    def checked_optimizer(self) -> SparseOptimizerConfig:
+        """``self.optimizer`` (its learning rate, eps and weight decay may change between steps), after
+        checking that its kind is still the one the state buffers were built for: the native kernels
+        wrote through a missing state (SIGSEGV) or past a row-wise one (heap corruption)."""
+        if self.optimizer.kind != self._state_kind:
+            raise ValueError(f"TableBatchedEmbeddingBags: optimizer.kind is now {self.optimizer.kind!r}, but the "
+                             f"optimizer state was built for {self._state_kind!r}; build a new module for another "
+                             "kind of optimizer (learning_rate, eps and weight_decay may change)")
+        return self.optimizer
+
     def _group_states(self, group: DimGroup) -> Dict[str, torch.Tensor]:
         buffers = {name: getattr(self, name) for name in ("momentum1", "momentum2") if hasattr(self, name)}
-        return state_views(self.optimizer.kind, buffers, group.row_start, group.num_rows, group.element_start, group.dim)
+        return state_views(self.checked_optimizer().kind, buffers, group.row_start, group.num_rows,
+                           group.element_start, group.dim)
 
     def _table(self, name: str) -> int:
         if name not in self._table_index:
@@ -362,6 +374,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         """Aggregate per unique row and update (or accumulate into ``dense_grad``)."""
         grad_output = grad_output.to(torch.float32)
         batch_size = grad_output.shape[0]
+        self.checked_optimizer()  # before anything changes
         if self.dense_gradient:
             if self.dense_grad is None:
                 self.dense_grad = torch.zeros(self.layout.num_elements, device=self.weights.device)
@@ -423,6 +436,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             raise ValueError("apply_dense_gradients() needs dense_gradient=True; this module updates in backward")
         if self.dense_grad is None:
             return
+        self.checked_optimizer()
         self.step += 1
         step = int(self.step)
         for group in self.layout.groups:

@@ -98,9 +98,9 @@ class TritonPath:
         from neorec.embedding.kernels import triton_tbe
 
         m = self.module
+        opt = m.checked_optimizer()
         m.step += 1
         step = int(m.step)
-        opt = m.optimizer
         seed = ((int(m.storage.seed or 0) * 1_000_003) ^ step) & 0x7FFFFFFFFFFFFFFF
         triton_tbe.tbe_backward_update(
             opt.kind, m.weights, getattr(m, "momentum1", None), self.layout(), values, offsets,

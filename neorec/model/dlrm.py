@@ -25,7 +25,7 @@ from torch import nn
 
 from neorec.model.aligned_linear import AlignedLinear
 from neorec.model.native_interaction import dot_interaction, dot_interaction_blocks, native_interaction_supported
-from neorec.native import native_available
+from neorec.native import MAX_NATIVE_DIM, native_available
 from neorec.sparse.column_blocks import ColumnBlocks
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
@@ -191,7 +191,7 @@ class DotInteraction(InteractionArch):
         if native_interaction_supported(dense, sparse):
             reason = native_available()
         else:
-            reason = "the native interaction takes fp32 CPU tensors"
+            reason = f"the native interaction takes fp32 CPU tensors of dims up to {MAX_NATIVE_DIM}"
         if self.kernel == "native" and reason is not None:
             raise ValueError(f"DotInteraction: kernel='native' was asked for but {reason}")
         return reason is None

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from neorec.native import load
+from neorec.native import MAX_NATIVE_DIM, load
 from neorec.native.blocks import int64_table
 from neorec.native.threads import threads_for
 from neorec.sparse.column_blocks import ColumnBlocks
@@ -30,8 +30,11 @@ MIN_SAMPLES_PER_THREAD = 128
 
 
 def native_interaction_supported(dense: torch.Tensor, sparse: Union[torch.Tensor, ColumnBlocks]) -> bool:
+    """CPU fp32 operands of a dim up to ``MAX_NATIVE_DIM`` (the backward keeps a [dim] row on the
+    stack: a wider one overflowed it)."""
     tensors = [dense] + ([sparse.flat, *sparse.extras] if isinstance(sparse, ColumnBlocks) else [sparse])
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return dense.shape[-1] <= MAX_NATIVE_DIM and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                      for t in tensors)
 
 
 def _operands(dense: torch.Tensor, sparse: torch.Tensor):

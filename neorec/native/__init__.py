@@ -6,4 +6,6 @@ threads (``threads.py``). Users: the table-batched embedding op
 
 from neorec.native.build import NativeUnavailable, load, native_available
 
-__all__ = ["NativeUnavailable", "load", "native_available"]
+MAX_NATIVE_DIM = 1 << 16  # the kernels keep a [dim] fp32 row on the stack (256 KiB at this dim)
+
+__all__ = ["MAX_NATIVE_DIM", "NativeUnavailable", "load", "native_available"]

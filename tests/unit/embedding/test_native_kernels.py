@@ -325,3 +325,52 @@ def test_a_compiler_command_with_words_of_its_own_is_used_whole(monkeypatch, tmp
         native_build._build(native_build.find_compiler())
     assert commands[0] == [shutil.which("env"), "cc", "--version"]
     assert commands[1][:3] == [shutil.which("env"), "cc", "-O3"]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("start, to", [("sgd", "rowwise_adagrad"), ("rowwise_adagrad", "adagrad")])
+def test_changing_the_optimizer_kind_of_a_built_module_is_refused(kernel, start, to):
+    """The native backward wrote through a missing state (SIGSEGV) or used a [rows] row-wise state
+    as AdaGrad's [rows * dim] one (a heap overrun); the torch path raised a bare KeyError."""
+    module = TableBatchedEmbeddingBags([TableConfig("t", 64, 8)], SparseOptimizerConfig(start), kernel=kernel)
+    module.optimizer.kind = to
+    before = module.weights.clone()
+    with pytest.raises(ValueError, match=f"optimizer.kind is now '{to}', but the optimizer state was built for '{start}'"):
+        module(KeyedJaggedTensor(["t"], torch.tensor([63, 3]), torch.tensor([2]))).values.sum().backward()
+    assert torch.equal(module.weights, before) and int(module.step) == 0
+    module.optimizer.kind = start
+    module.optimizer.learning_rate = 0.5  # what may change between steps
+    module(KeyedJaggedTensor(["t"], torch.tensor([63, 3]), torch.tensor([2]))).values.sum().backward()
+    assert not torch.equal(module.weights, before)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_an_unvalidated_batch_whose_lengths_pass_its_values_is_refused_before_the_kernels(weighted):
+    """validate=False and lengths summing past the values: the kernels read ids and weights past the
+    tensors' ends and pooled whatever lay there."""
+    module = TableBatchedEmbeddingBags([TableConfig("t", 10, 4)], SparseOptimizerConfig("sgd"), kernel="native")
+    weights = torch.ones(2) if weighted else None
+    kjt = KeyedJaggedTensor(["t"], torch.tensor([1, 2]), torch.tensor([2, 3]), weights=weights, batch_size=2,
+                            validate=False)
+    with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
+        with torch.no_grad():
+            module(kjt)
+    with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
+        module(kjt).values.sum().backward()
+
+
+def test_a_wider_interaction_than_the_native_kernels_take_runs_on_torch_ops():
+    """The native backward keeps a [dim] row on the stack: a dim of 3,000,001 overflowed it (SIGSEGV)."""
+    from neorec.model.dlrm import DotInteraction
+    from neorec.model.native_interaction import native_interaction_supported
+    from neorec.native import MAX_NATIVE_DIM
+
+    dim = MAX_NATIVE_DIM + 1
+    dense, sparse = torch.randn(1, dim, requires_grad=True), torch.randn(1, 1, dim, requires_grad=True)
+    assert not native_interaction_supported(dense, sparse)
+    assert native_interaction_supported(dense[:, :MAX_NATIVE_DIM], sparse[:, :, :MAX_NATIVE_DIM])
+    out = DotInteraction(1, embedding_dim=dim, kernel="auto")(dense, sparse)
+    out.sum().backward()
+    assert torch.allclose(out[0, -1], (dense[0] * sparse[0, 0]).sum()) and dense.grad is not None
+    with pytest.raises(ValueError, match=f"fp32 CPU tensors of dims up to {MAX_NATIVE_DIM}"):
+        DotInteraction(1, embedding_dim=dim, kernel="native")(dense, sparse)
