@@ -14,7 +14,8 @@ it off):
         optimizer.step()
 
 The look-ahead, per step i (an error loading batch i + 1 is raised after step i, which trains as
-it would in the plain loop; an id of batch i + 1 outside its table, found when its exchange is
+it would in the plain loop, launching an empty exchange in its place so that this rank's
+collectives still pair with the other ranks'; an id of batch i + 1 outside its table, found when its exchange is
 launched during step i, stops the run at once, since no other rank could finish step i with it):
 
 1. before batch i is handed out, batch i + 1 is taken from ``items`` (a ``PrefetchLoader`` thread
@@ -46,6 +47,15 @@ from torch import nn
 
 from neorec.data.batch import Batch
 from neorec.embedding.cached import cached_collections
+from neorec.sparse.jagged import KeyedJaggedTensor
+
+
+def empty_like(batch: Batch) -> Batch:
+    """A batch of no samples with ``batch``'s features, dtypes and device."""
+    sparse = batch.sparse
+    kjt = KeyedJaggedTensor(sparse.keys(), sparse.values[:0], sparse.lengths[:0],
+                            weights=None if sparse.weights is None else sparse.weights[:0], batch_size=0)
+    return Batch(batch.dense[:0], kjt, batch.labels[:0])
 
 
 def sharded_collections(model: nn.Module) -> List[nn.Module]:
@@ -148,6 +158,12 @@ class TrainPipeline:
                     for collection in self._cached:
                         collection.prefetch(following[0].sparse)
                     hooks = StepHooks(self, following[0] if self._sharded else None)
+                elif error is not None and self._sharded:
+                    # the other ranks launch batch i + 1's exchange during step i: this rank launches
+                    # an empty one, so that its collectives keep pairing with theirs (without it, step
+                    # i's gradient all-to-all met their header exchange: gloo aborted them, or the
+                    # bytes were swapped) and this rank's own error is the one reported
+                    hooks = StepHooks(self, empty_like(current[0]))
                 else:
                     hooks = StepHooks(self, None)
                 yield current[0], current[1], hooks

@@ -162,3 +162,28 @@ def fail_between_forward_and_backward(rank: int, world: int, group, directory: s
     except RuntimeError as exc:
         return f"raised: {exc}"
     return "finished"
+
+
+def fail_loading_on_one_rank(rank: int, world: int, group, directory: str) -> str:
+    """Rank 1's third batch fails to load (an I/O error on one node); returns what each rank raised."""
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    train_batches = Trainer._train_batches
+
+    def failing(self, epoch, start_batch):
+        for count, item in enumerate(train_batches(self, epoch, start_batch)):
+            if rank == 1 and count == 2:
+                raise OSError("injected: batch 3 could not be read on rank 1")
+            yield item
+
+    Trainer._train_batches = failing
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    trainer = Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64), out=io.StringIO(),
+                      distributed=context)
+    try:
+        trainer.fit()
+    except (OSError, RuntimeError) as exc:
+        return f"step {trainer.step}: {type(exc).__name__}: {exc}"
+    return "finished"

@@ -72,6 +72,16 @@ def test_two_rank_training_with_each_codec_ends_within_0_3_percent_ne_of_fp32(tm
     print({codec: round(v["ne"], 5) for codec, v in results[0].items()})
 
 
+def test_a_batch_failing_to_load_on_one_rank_stops_with_that_ranks_own_error(tmp_path):
+    """The failing rank launched no look-ahead exchange while the others did: its next collective
+    (step 2's gradient all-to-all) met their header exchange and gloo aborted the healthy rank
+    ("collective mismatch"), hiding the error; now it launches an empty one in its place, trains
+    step 2 as the plain loop does, and raises its own error."""
+    results = run_ranks(pipeline_workers.fail_loading_on_one_rank, 2, tmp_path, args=(str(tmp_path),), timeout=120)
+    assert results[1] == "step 2: OSError: injected: batch 3 could not be read on rank 1", results
+    assert results[0].startswith("step 2: RuntimeError: ") and "Connection closed by peer" in results[0], results
+
+
 def test_a_rank_failing_mid_step_stops_with_its_own_error(tmp_path):
     """A step that raises on one rank between forward and backward must not complete the id
     exchange launched for the next batch (the other rank is in another collective: gloo aborted
