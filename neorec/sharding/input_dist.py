@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from neorec.embedding.config import TableConfig
 from neorec.sharding.comm import Awaitable, CommStats, all_to_all
 from neorec.sharding.routing import FeatureRoute, Routing
 from neorec.sparse.jagged import JaggedTensor, KeyedJaggedTensor
@@ -56,20 +57,22 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0).sub_(x)
 
 
-def _check_ids(route: FeatureRoute, values: torch.Tensor) -> None:
+def _check_ids(feature: str, table: TableConfig, values: torch.Tensor) -> None:
+    """Before anything is sent: an id outside its table stops this rank while the ranks are in step
+    (the pipeline launches a batch's exchange a step ahead, so this is where its ids are checked)."""
     if values.numel() == 0:
         return
     low, high = (int(v) for v in torch.aminmax(values))
-    if low < 0 or high >= route.table.num_embeddings:
+    if low < 0 or high >= table.num_embeddings:
         bad = low if low < 0 else high
-        raise ValueError(f"feature {route.feature!r} (table {route.table.name!r}): id {bad} is outside the "
-                         f"table's rows [0, {route.table.num_embeddings})")
+        raise ValueError(f"feature {feature!r} (table {table.name!r}): id {bad} is outside the "
+                         f"table's rows [0, {table.num_embeddings})")
 
 
 def _split_feature(route: FeatureRoute, jagged: JaggedTensor, weighted: bool) -> List[Piece]:
     """The feature's (lengths, values, weights) for each piece of its table, in route order."""
     lengths, values = jagged.lengths.to(torch.int64), jagged.values.to(torch.int64)
-    _check_ids(route, values)
+    _check_ids(route.feature, route.table, values)
     weights = None if jagged.weights is None else jagged.weights.to(torch.float32)
     if route.table.pooling == "mean":
         scale = torch.repeat_interleave(lengths.clamp(min=1).to(torch.float32).reciprocal(), lengths,
@@ -108,6 +111,9 @@ def input_dist(routing: Routing, rank: int, features: KeyedJaggedTensor, group: 
                          f"(got keys {features.keys()})")
     jagged = features.to_dict()
     weighted = features.weights is not None or routing.has_mean
+    for table in routing.replicas:  # looked up locally, but checked here too, with the others
+        for feature in table.feature_names:
+            _check_ids(feature, table, jagged[feature].values)
     pieces: Dict[str, Piece] = {}
     for route in routing.routes:
         position = route.table.feature_names.index(route.feature)

@@ -217,3 +217,23 @@ def test_load_refuses_deep_json_and_directories_clearly(tmp_path):
         ShardingPlan.load(deep)
     with pytest.raises(ValueError, match="is a directory; give the plan's JSON file"):
         ShardingPlan.load(tmp_path)
+
+
+@pytest.mark.parametrize("feature, table", [("fa2", "a"), ("fc", "c")])
+def test_ids_of_every_feature_are_checked_before_the_exchange_is_launched(feature, table, monkeypatch):
+    """Data-parallel (replica) features were checked only at their local lookup, a step later than
+    the pipeline's docstring says: now every feature's ids are checked before anything is sent."""
+    import neorec.sharding.input_dist as input_dist_module
+    from neorec.sparse import KeyedJaggedTensor
+
+    def no_exchange(*args, **kwargs):
+        raise AssertionError("an exchange was launched")
+
+    monkeypatch.setattr(input_dist_module, "all_to_all", no_exchange)
+    routing = Routing(TABLES, good_plan(), 4)
+    keys = ["fa1", "fa2", "fb", "fc"]
+    values = {"fa1": 1, "fa2": 2, "fb": 3, "fc": 1}
+    values[feature] = 99
+    kjt = KeyedJaggedTensor(keys, torch.tensor([values[k] for k in keys]), torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=rf"feature '{feature}' \(table '{table}'\): id 99 is outside"):
+        input_dist_module.input_dist(routing, 0, kjt, None)
