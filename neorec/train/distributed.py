@@ -244,6 +244,21 @@ def broadcast_text(text: Optional[str], group: Any, device: torch.device, src: i
     return bytes(buf.cpu().numpy()).decode()
 
 
+def gather_to_main(tensor: torch.Tensor, group: Any) -> Optional[torch.Tensor]:
+    """On rank 0 of ``group``: the 1-D ``tensor`` of every rank (sizes may differ) concatenated in
+    rank order; None on the others (they hold nothing of the others' tensors)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    counts = [int(s) for s in sizes]
+    padded = tensor.new_zeros(max(counts))
+    padded[: tensor.numel()] = tensor
+    parts = [torch.zeros_like(padded) for _ in range(world)] if rank == 0 else None
+    dist.gather(padded, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)]) if rank == 0 else None
+
+
 def gather_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Concatenate the 1-D ``tensor`` of every rank (sizes may differ), in rank order."""
     world = dist.get_world_size(group)

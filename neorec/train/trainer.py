@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, Optional, TextIO, Tuple
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from neorec.config import Config, DenseOptimizerConfig
@@ -35,9 +36,9 @@ from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.checkpoint_tables import OFF_DEVICE_CHECKPOINTS
-from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_all, local_loss, split_batch,
+from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_main, local_loss, split_batch,
                                      threads_per_rank)
-from neorec.train.metrics import MetricsAccumulator, compute_metrics
+from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
 from neorec.train.timeline import StepTimeline, step_clock
 
@@ -334,9 +335,18 @@ class Trainer:
         self.model.train()
         if self.distributed is None:
             return acc.compute()
-        group = self.distributed.dense_group  # AUC does not decompose: gather every prediction
-        return compute_metrics(gather_to_all(acc.logits().to(self.device), group).cpu(),
-                               gather_to_all(acc.labels().to(self.device), group).cpu())
+        # AUC does not decompose: rank 0 gathers every prediction, computes, and sends the figures
+        # (every rank gathering and computing held ~120 bytes per eval sample on each of them)
+        group = self.distributed.dense_group
+        logits = gather_to_main(acc.logits().to(self.device), group)
+        labels = gather_to_main(acc.labels().to(self.device), group)
+        metrics = compute_metrics(logits.cpu(), labels.cpu()) if logits is not None else {}
+        figures = torch.tensor([float(metrics.get(k, 0.0)) for k in METRIC_KEYS], dtype=torch.float64,
+                               device=self.device)
+        dist.broadcast(figures, src=dist.get_global_rank(group, 0), group=group)
+        figures = dict(zip(METRIC_KEYS, figures.tolist()))
+        figures["num_samples"] = int(figures["num_samples"])
+        return figures
 
     # ------------------------------------------------------------------------------ loop
     def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int, window: Dict[str, Any]) -> float:

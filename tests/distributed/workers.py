@@ -164,3 +164,12 @@ def plan_on_rank_0(rank: int, world: int, group, fail: bool) -> str:
         return _plan_on_rank_0(context, make_plan)
     except ValueError as exc:
         return f"raised: {exc}"
+
+
+def gather_on_main(rank: int, world: int, group):
+    """What ``gather_to_main`` leaves on each rank (uneven sizes: rank r has r + 2 values, rank 1 none)."""
+    from neorec.train.distributed import gather_to_main
+
+    local = torch.arange(rank + 2, dtype=torch.float32) + 10 * rank if rank != 1 else torch.zeros(0)
+    gathered = gather_to_main(local, group)
+    return None if gathered is None else gathered.tolist()
