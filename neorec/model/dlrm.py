@@ -384,6 +384,10 @@ class DLRM(nn.Module):
         dense_out = self.dense_arch(dense)  # [B, D]
         embedded = pending.wait() if pending is not None else self.sparse_arch(sparse)
         sparse_values = self._sparse_values(embedded, batch)  # [B, sum(dims)]
+        if dense_out.dtype != torch.float32:  # pooled rows are fp32: a converted (bf16, fp64) model takes
+            if isinstance(sparse_values, ColumnBlocks):  # them in its own dtype (the over-arch refused mixed ones)
+                sparse_values = sparse_values.materialize()
+            sparse_values = sparse_values.to(dense_out.dtype)
         if self.interaction_type == "dot" and isinstance(sparse_values, torch.Tensor):
             sparse_values = sparse_values.reshape(batch, len(self.embedding_dims), dense_out.shape[1])
         return self.over_arch(self.interaction(dense_out, sparse_values)).squeeze(-1)

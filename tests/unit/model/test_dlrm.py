@@ -232,3 +232,20 @@ def test_sparse_arch_exchange_in_flight_while_bottom_mlp_runs(sparse_arch_factor
     blocking = make_model(sparse_arch_factory)
     blocking.load_state_dict(model.state_dict())
     assert torch.equal(logits, blocking(dense, kjt))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_dense_parts_converted_to_another_dtype_take_the_pooled_rows_in_it(sparse_arch_factory, kjt_factory, dtype):
+    """The pooled rows are fp32: with the dense parts in bf16 the interaction promoted back to fp32 and
+    the over-arch raised "mat1 and mat2 must have the same dtype"."""
+    torch.manual_seed(0)
+    for interaction in ("dot", "dcn"):
+        model = make_model(sparse_arch_factory, interaction=interaction, over_layers=[])
+        for part in (model.dense_arch, model.interaction, model.over_arch):
+            part.to(dtype)
+        kjt = kjt_factory(TABLES, 8, max_ids=2)
+        logits = model(torch.randn(8, 3, dtype=dtype), kjt)
+        assert logits.dtype == dtype and logits.shape == (8,)
+        logits.float().sum().backward()
+        for key, bag in model.sparse_arch.bags.items():  # the gradient reaches the fp32 embeddings
+            assert bag.weight.grad is not None and bag.weight.grad.abs().sum() > 0, key
