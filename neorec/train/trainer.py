@@ -248,9 +248,12 @@ class Trainer:
 
             comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
-        self.timeline = StepTimeline(comm_stats, clock=step_clock(self.device)) if cfg.train.profile else None
-        if self.timeline is not None and comm_stats is not None:
-            comm_stats.now = self.timeline._now
+        self.timeline = None
+        if cfg.train.profile:
+            clock = step_clock(self.device)  # phases and waits on collectives end when their GPU work does
+            self.timeline = StepTimeline(comm_stats, clock=clock)
+            if comm_stats is not None:
+                comm_stats.now = clock
         if distributed is not None:
             self._distribute(plan, comm_stats)
         if self.timeline is not None:
