@@ -35,6 +35,10 @@ class DeviceMixCheck(TorchDispatchMode):
         for t in tensors:
             self._marked[id(t)] = weakref.ref(t)
 
+    def on_device(self, t) -> bool:
+        """Whether ``t`` is marked (would live on the accelerator)."""
+        return self._on_device(t)
+
     def _on_device(self, t) -> bool:
         ref = self._marked.get(id(t))
         return isinstance(t, torch.Tensor) and ref is not None and ref() is t

@@ -499,10 +499,11 @@ class CachedEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def table_weight(self, name: str) -> torch.Tensor:
         """fp32 copy [num_embeddings, embedding_dim] of table ``name`` as the model sees it (cached
-        rows from the cache, the others from the store)."""
+        rows from the cache, the others from the store), in host memory for every table (a cached
+        table may be larger than the device's)."""
         table = self._check_table(name)
         if name not in self.caches:
-            return self._module_of(name).get_table_weight(name)
+            return self._module_of(name).get_table_weight(name, device="cpu")
         cache = self.caches[name]
         cache.wait()
         out = torch.empty(table.num_embeddings, table.embedding_dim)
@@ -516,10 +517,11 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     @torch.no_grad()
     def optimizer_state(self, name: str) -> Dict[str, torch.Tensor]:
-        """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...}."""
+        """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...}, in
+        host memory (as ``table_weight``)."""
         table = self._check_table(name)
         if name not in self.caches:
-            return self._module_of(name).get_optimizer_state(name)
+            return self._module_of(name).get_optimizer_state(name, device="cpu")
         cache = self.caches[name]
         cache.wait()
         state = cache.store.read_state(torch.arange(table.num_embeddings))

@@ -226,7 +226,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         t = self._table(name)
         rows, dim = self.table_rows[t], self.table_dims[t]
         flat = self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim]
-        return flat.view(rows, dim).to(device or flat.device, torch.float32, copy=True)
+        table = flat.view(rows, dim)
+        return table.to(torch.float32, copy=True) if device is None else table.to(device, torch.float32, copy=True)
 
     def set_table_weight(self, name: str, weight: torch.Tensor) -> None:
         """Overwrite table ``name`` with ``weight`` [num_embeddings, embedding_dim] (rounded to
@@ -245,7 +246,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         group = self.layout.groups[self.layout.table_group[t]]
         views = self._group_states(group)
         lo = self.table_row_offset_in_group[t]
-        return {k: v[lo : lo + self.table_rows[t]].to(device or v.device, copy=True) for k, v in views.items()}
+        return {k: v[lo : lo + self.table_rows[t]].clone() if device is None
+                else v[lo : lo + self.table_rows[t]].to(device, copy=True) for k, v in views.items()}
 
     def set_optimizer_state(self, name: str, state: Dict[str, torch.Tensor]) -> None:
         """Overwrite table ``name``'s optimizer state; ``state`` as ``get_optimizer_state`` returns."""

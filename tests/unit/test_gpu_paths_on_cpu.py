@@ -199,3 +199,15 @@ def test_profiling_on_a_gpu_times_finished_work(monkeypatch):
     with timeline.phase("backward"):
         pass
     assert synchronized == [torch.device("cuda", 0)] * 2  # at the phase's start and end
+
+
+def test_a_cached_collections_table_copies_are_all_in_host_memory():
+    """Cached tables came back in host memory, the others on the device: a caller comparing them
+    with one another on a GPU needed a .to() for some tables only."""
+    collection = CachedEmbeddingBagCollection(TABLES, SparseOptimizerConfig(kind="rowwise_adagrad"),
+                                              locations={"b": TableLocation("cached_dram", cache_fraction=0.5)})
+    with DeviceMixCheck() as check:
+        check.mark(*collection.tbe.buffers())  # the fused module (device tables, cache slots) on the GPU
+        copies = {t.name: (collection.table_weight(t.name), collection.optimizer_state(t.name)) for t in TABLES}
+    for name, (weight, state) in copies.items():
+        assert not check.on_device(weight) and not any(check.on_device(v) for v in state.values()), name
