@@ -13,10 +13,11 @@ it off):
         hooks.after_backward()   # the header is in: launches the ids exchange
         optimizer.step()
 
-The look-ahead, per step i (an error loading batch i + 1 is raised after step i, which trains as
-it would in the plain loop, launching an empty exchange in its place so that this rank's
-collectives still pair with the other ranks'; an id of batch i + 1 outside its table, found when its exchange is
-launched during step i, stops the run at once, since no other rank could finish step i with it):
+The look-ahead, per step i. Batch i + 1 unusable on this rank (it fails to load, or an id of it
+lies outside its table, found when its exchange is launched during step i): the rank launches an
+empty exchange in its place, so that its collectives keep pairing with the other ranks' (which
+launched theirs), step i trains as it would in the plain loop (its checkpoint is not lost), and
+the error is raised after it:
 
 1. before batch i is handed out, batch i + 1 is taken from ``items`` (a ``PrefetchLoader`` thread
    prepares it) and moved to the device; every ``CachedEmbeddingBagCollection`` of the model is
@@ -95,14 +96,14 @@ class StepHooks:
     def __init__(self, pipeline: "TrainPipeline", batch: Optional[Batch]) -> None:
         self._pipeline, self._batch = pipeline, batch
         self._stage = 0
+        self.error: Optional[Exception] = None  # batch i + 1's ids were refused: raised after this step
 
     def after_forward(self) -> None:
         if self._stage != 0:
             raise RuntimeError("TrainPipeline: after_forward() called twice for one step")
         self._stage = 1
-        if self._batch is not None:  # an id of the NEXT batch outside its table raises here, at once: the
-            self._pipeline._launch(self._batch)  # other ranks have launched its exchange, which this rank's
-            # next collective would otherwise be paired with (a mismatch that hides the error)
+        if self._batch is not None:
+            self.error = self._pipeline._launch(self._batch)
 
     def after_backward(self) -> None:
         if self._stage != 1:
@@ -167,6 +168,8 @@ class TrainPipeline:
                 else:
                     hooks = StepHooks(self, None)
                 yield current[0], current[1], hooks
+                if error is None:
+                    error = hooks.error
                 if error is not None:
                     raise error
                 current = following
@@ -184,13 +187,23 @@ class TrainPipeline:
             self.timeline.add("data_loading", time.perf_counter() - start)
         return item
 
-    def _launch(self, batch: Batch) -> None:
+    def _launch(self, batch: Batch) -> Optional[Exception]:
+        """Launch ``batch``'s exchanges; where its ids are refused (checked before anything is sent),
+        an empty exchange in its place: the refusal is returned, to be raised after this step."""
         start = time.perf_counter() if self.timeline is not None else 0.0
+        error = None
         for collection in self._sharded:
-            collection.launch_input_dist(batch.sparse)
+            if error is None:
+                try:
+                    collection.launch_input_dist(batch.sparse)
+                    continue
+                except ValueError as exc:
+                    error = exc
+            collection.launch_input_dist(empty_like(batch).sparse)
         self.num_launched += 1
         if self.timeline is not None:
             self.timeline.add("input_dist", time.perf_counter() - start)
+        return error
 
     def _progress(self) -> None:
         start = time.perf_counter() if self.timeline is not None else 0.0

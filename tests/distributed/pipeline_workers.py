@@ -164,18 +164,27 @@ def fail_between_forward_and_backward(rank: int, world: int, group, directory: s
     return "finished"
 
 
-def fail_loading_on_one_rank(rank: int, world: int, group, directory: str) -> str:
-    """Rank 1's third batch fails to load (an I/O error on one node); returns what each rank raised."""
+def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str) -> str:
+    """Rank 1's third batch fails to load (an I/O error on one node: ``how`` "load") or holds an id
+    outside its table ("id"); returns what each rank raised, at which step."""
+    from neorec.data.batch import Batch
+    from neorec.sparse.jagged import KeyedJaggedTensor
     from neorec.train.distributed import DistributedContext
     from neorec.train.trainer import Trainer
 
     train_batches = Trainer._train_batches
 
     def failing(self, epoch, start_batch):
-        for count, item in enumerate(train_batches(self, epoch, start_batch)):
+        for count, (batch, size) in enumerate(train_batches(self, epoch, start_batch)):
             if rank == 1 and count == 2:
-                raise OSError("injected: batch 3 could not be read on rank 1")
-            yield item
+                if how == "load":
+                    raise OSError("injected: batch 3 could not be read on rank 1")
+                sparse = batch.sparse
+                values = sparse.values.clone()
+                values[0] = 10**9
+                batch = Batch(batch.dense, KeyedJaggedTensor(sparse.keys(), values, sparse.lengths, sparse.weights,
+                                                             batch_size=sparse.batch_size), batch.labels)
+            yield batch, size
 
     Trainer._train_batches = failing
     context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
@@ -184,6 +193,6 @@ def fail_loading_on_one_rank(rank: int, world: int, group, directory: str) -> st
                       distributed=context)
     try:
         trainer.fit()
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, ValueError) as exc:
         return f"step {trainer.step}: {type(exc).__name__}: {exc}"
     return "finished"

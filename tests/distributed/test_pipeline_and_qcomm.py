@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import pipeline_workers
 from harness import run_ranks
 
@@ -72,13 +74,18 @@ def test_two_rank_training_with_each_codec_ends_within_0_3_percent_ne_of_fp32(tm
     print({codec: round(v["ne"], 5) for codec, v in results[0].items()})
 
 
-def test_a_batch_failing_to_load_on_one_rank_stops_with_that_ranks_own_error(tmp_path):
-    """The failing rank launched no look-ahead exchange while the others did: its next collective
-    (step 2's gradient all-to-all) met their header exchange and gloo aborted the healthy rank
-    ("collective mismatch"), hiding the error; now it launches an empty one in its place, trains
-    step 2 as the plain loop does, and raises its own error."""
-    results = run_ranks(pipeline_workers.fail_loading_on_one_rank, 2, tmp_path, args=(str(tmp_path),), timeout=120)
-    assert results[1] == "step 2: OSError: injected: batch 3 could not be read on rank 1", results
+@pytest.mark.parametrize("how", ["load", "id"])
+def test_a_batch_unusable_on_one_rank_stops_after_the_step_before_it_with_that_ranks_own_error(tmp_path, how):
+    """Load failure: the failing rank launched no look-ahead exchange while the others did, so its next
+    collective (step 2's gradient all-to-all) met their header exchange and gloo aborted the healthy
+    rank ("collective mismatch"), hiding the error. Bad id: the rank raised at once, losing step 2.
+    Now it launches an empty exchange in its place, trains step 2 as the plain loop does, and raises
+    its own error."""
+    results = run_ranks(pipeline_workers.fail_on_one_rank, 2, tmp_path, args=(str(tmp_path), how), timeout=120)
+    if how == "load":
+        assert results[1] == "step 2: OSError: injected: batch 3 could not be read on rank 1", results
+    else:
+        assert results[1].startswith("step 2: ValueError: feature ") and "id 1000000000 is outside" in results[1], results
     assert results[0].startswith("step 2: RuntimeError: ") and "Connection closed by peer" in results[0], results
 
 

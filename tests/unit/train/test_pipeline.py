@@ -99,7 +99,7 @@ def test_pipelined_equals_plain_with_a_low_precision_store_and_max_steps_mid_epo
         assert torch.equal(plain_rows[name], piped_rows[name]), name
 
 
-def test_a_batch_that_fails_to_load_stops_the_run_after_the_step_before_it(tmp_path):
+def test_a_batch_that_fails_to_load_or_has_a_bad_id_stops_the_run_after_the_step_before_it(tmp_path):
     """The pipeline fetches batch i + 1 before step i: an error there threw step i away (and with it
     a checkpoint due at that step); the plain loop trains it first."""
     trainer = Trainer(small_config(tmp_path, True), out=io.StringIO())
@@ -119,11 +119,12 @@ def test_a_batch_that_fails_to_load_stops_the_run_after_the_step_before_it(tmp_p
     assert trained == [0, 1]
 
     class BadLaunch:  # a sharded collection whose launch of batch 2 (its second) finds a bad id
-        launches = 0
+        def __init__(self):
+            self.launched = []
 
         def launch_input_dist(self, kjt):
-            self.launches += 1
-            if self.launches == 2:
+            self.launched.append(kjt.batch_size)
+            if len(self.launched) == 2:
                 raise ValueError("id outside its table in batch 2")
 
         def progress_launched_input_dist(self):
@@ -132,17 +133,20 @@ def test_a_batch_that_fails_to_load_stops_the_run_after_the_step_before_it(tmp_p
         def drop_launched_input_dist(self):
             pass
 
-    # a bad id found while launching batch 2's exchange (during step 1) stops the run at once: the
-    # other ranks launched that exchange, and step 1's next collective would be paired with it
+    # a bad id found while launching batch 2's exchange (during step 1) stopped the run at once, step 1
+    # lost; now an empty exchange goes in its place (the other ranks launched theirs: the collectives
+    # keep pairing), step 1 trains, and the error is raised after it
     pipeline = TrainPipeline(trainer.model, "cpu")
-    pipeline._sharded = [BadLaunch()]
+    collection = BadLaunch()
+    pipeline._sharded = [collection]
     trained = []
     with pytest.raises(ValueError, match="id outside its table in batch 2"):
         for _, extra, hooks in pipeline.run(batches):
             hooks.after_forward()
             hooks.after_backward()
             trained.append(extra)
-    assert trained == [0]
+    assert trained == [0, 1]
+    assert collection.launched == [2, 2, 0]  # batch 1, batch 2 (refused), then the empty stand-in
 
 
 def test_pipeline_yields_every_batch_once_in_order_and_hooks_are_single_use(tmp_path):
