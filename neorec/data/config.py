@@ -113,7 +113,7 @@ class CriteoConfig:
     train_path / eval_path: raw TSV files (eval_path may be empty: then the last eval_fraction of
         train_path, by line order, is held out).
     processed_dir: where the binary memory-mapped form is written (defaults beside train_path:
-        ``<train_path>.neorec/``); rebuilt when the TSV's size or mtime changes.
+        ``<train_path>.neorec/``); rebuilt when the TSV's size, mtime or first / last MiB change.
     num_embeddings: rows per categorical table (ids are hashed into it; row 0 = missing value).
     skip_malformed: count and skip malformed lines instead of stopping at the first one.
     shuffle: shuffle the training rows every epoch (blocks of 256 consecutive rows, seeded by

@@ -11,7 +11,8 @@ Raw layout: see ``neorec.data.criteo_tsv`` (label, 13 integer, 26 hexadecimal co
 Processed layout (a directory; see ``preprocess_criteo``): ``dense.f32`` [N, 13] float32 =
 log(1 + max(x, 0)) with missing = 0; ``categorical.i32`` (or ``.i64``) [N, 26] = a stable hash of
 each hex value into [1, num_embeddings), missing = 0; ``labels.u8`` [N]; ``meta.json`` with the
-counts, the format version and the source file's size and mtime (a changed TSV is reprocessed).
+counts, the format version and the source file's size, mtime and ``source_fingerprint`` (a changed
+TSV is reprocessed).
 
 Processes that preprocess the same directory (the ranks of a ``--nproc`` run, two runs on one TSV)
 take turns on an exclusive lock, ``<processed dir>.lock`` beside it: the first builds the copy,
@@ -20,6 +21,7 @@ the others wait and then use it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -108,6 +110,7 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)
     stat = tsv_path.stat()
+    fingerprint = source_fingerprint(tsv_path)
     cat_dtype = np.int32 if num_embeddings <= 2**31 - 1 else np.int64
     names = _data_files(cat_dtype)
     tmp = {k: out_dir / f".{name}.tmp-{os.getpid()}" for k, name in names.items()}
@@ -164,7 +167,8 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
             "num_dense": NUM_INTEGER, "num_categorical": NUM_CATEGORICAL,
             "num_embeddings": num_embeddings, "categorical_dtype": np.dtype(cat_dtype).name,
             "files": names, "skip_malformed": skip_malformed,
-            "source": {"path": str(tsv_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+            "source": {"path": str(tsv_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                       "sample_sha256": fingerprint},
             "stats": asdict(stats),
         }
         with _writing(out_dir / META_FILE):
@@ -299,9 +303,35 @@ class CriteoArrays:
         return int(self.meta["num_rows"])
 
 
+FINGERPRINT_BYTES = 1 << 20
+
+
+def source_fingerprint(path: Path) -> str:
+    """sha256 of the file's first and last MiB: with its size and mtime, what tells a changed TSV
+    from the one processed (a same-size file copied with its mtime kept, ``cp -p``, passed the size
+    and mtime check alone); two MiB read, whatever the file's size."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        spans = [(0, min(size, FINGERPRINT_BYTES))]
+        if size > FINGERPRINT_BYTES:
+            tail = max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES)
+            spans.append((tail, size - tail))
+        for start, length in spans:
+            f.seek(start)
+            while length > 0:  # in 64 KiB pieces: the preprocessing's memory stays chunk-sized
+                piece = f.read(min(length, 1 << 16))
+                if not piece:
+                    break
+                digest.update(piece)
+                length -= len(piece)
+    return digest.hexdigest()
+
+
 def cache_is_fresh(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_embeddings: int,
                    skip_malformed: bool = False) -> bool:
-    """Whether ``out_dir`` holds a complete processed copy of the current ``tsv_path``."""
+    """Whether ``out_dir`` holds a complete processed copy of the current ``tsv_path`` (same size,
+    mtime and, for caches that recorded it, ``source_fingerprint``)."""
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
     try:
         meta = json.loads((out_dir / META_FILE).read_text())
@@ -313,6 +343,7 @@ def cache_is_fresh(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_
             meta.get("format") == "neorec-criteo" and meta.get("version") == FORMAT_VERSION
             and meta["num_embeddings"] == num_embeddings
             and meta["source"]["size"] == stat.st_size and meta["source"]["mtime_ns"] == stat.st_mtime_ns
+            and meta["source"].get("sample_sha256", None) in (None, source_fingerprint(tsv_path))
             and (skip_malformed or meta["stats"]["num_skipped"] == 0)
             and all((out_dir / meta["files"][k]).stat().st_size == sizes[k] for k in sizes)
         )
