@@ -249,6 +249,22 @@ def _check_before_launch(cfg, args: argparse.Namespace) -> None:
         raise ValueError(f"--resume: {args.resume} does not exist")
     if any(cfg.embedding.location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
         raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
+    check_gpus_for_ranks(cfg.train.device, args.nproc)
+
+
+def check_gpus_for_ranks(device: str, nproc: int) -> None:
+    """``--nproc N`` ranks all see the launcher's GPUs: on CUDA each needs one of its own, and a
+    device the ranks cannot have is said once here rather than by each of them."""
+    import torch
+
+    from neorec.train.distributed import no_cuda_message
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(no_cuda_message())
+    if device in ("cuda", "auto") and torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise ValueError(f"--nproc {nproc} but {torch.cuda.device_count()} CUDA device(s) visible: each rank needs a "
+                         f"GPU of its own (--nproc {torch.cuda.device_count()}, more GPUs through "
+                         "CUDA_VISIBLE_DEVICES, or train.device = 'cpu')")
 
 
 def _saved_checkpoint_hint(root: str) -> str:
@@ -370,7 +386,20 @@ def _print_header(cfg, trainer) -> None:
     print(f"neorec train: data={cfg.data.source} ({trainer.source.num_train_samples():,} train samples), "
           f"{len(trainer.source.feature_names)} sparse features, {num_params:,} embedding parameters, "
           f"optimizer={cfg.embedding.optimizer.kind}, precision={cfg.embedding.storage.precision}, "
-          f"device={trainer.device}", flush=True)
+          f"device={trainer.device}, embedding kernel={_kernel_summary(trainer.model)}", flush=True)
+    if trainer.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        warnings.warn("TRITON_INTERPRET is set: the Triton kernels run in triton's CPU interpreter, very slowly "
+                      "(it is for tests without a GPU); unset it for GPU training")
+
+
+def _kernel_summary(model) -> str:
+    """What runs the embedding lookups of ``model`` (its fused modules' paths, and why "auto" fell
+    back to torch ops where it did)."""
+    from neorec.embedding.kernel_choice import kernel_summary
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+
+    paths = list(dict.fromkeys(kernel_summary(m) for m in model.modules() if isinstance(m, TableBatchedEmbeddingBags)))
+    return ", ".join(paths) if paths else "none on this rank"
 
 
 def _print_result(result) -> None:

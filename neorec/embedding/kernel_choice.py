@@ -44,3 +44,12 @@ def choose_kernel(module: "TableBatchedEmbeddingBags", kernel: str) -> str:
     if module.weights.is_cuda:
         return "triton" if triton_unsupported_reason(module) is None else "torch"
     return "native" if native_unsupported_reason(module) is None else "torch"
+
+
+def kernel_summary(module: "TableBatchedEmbeddingBags") -> str:
+    """The path serving ``module`` and, when "auto" fell back to torch ops, why (for a run's header)."""
+    path = module.kernel_path()
+    if path != "torch" or module.kernel == "torch":
+        return path
+    reason = triton_unsupported_reason(module) if module.weights.is_cuda else native_unsupported_reason(module)
+    return f"torch ({reason})" if reason else path

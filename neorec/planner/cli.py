@@ -234,14 +234,40 @@ def _check_calibration_target(out) -> None:
         raise ValueError(f"plan: {exc}; give --calibration-out FILE or set NEOREC_CALIBRATION") from None
 
 
-def training_topology(world_size: int, ranks_per_node: int, out=None):
-    """The topology ``--plan auto`` plans for: the local-cpu calibration when it exists, else
-    nominal CPU numbers. A calibration made for another number of ranks per node keeps the
-    machine's memory (each rank gets its share of the same memory; it used to keep the memory per
-    rank and overcommit the machine) and says that its bandwidths were measured for that number."""
+def gpu_training_topology(world_size: int, ranks_per_node: int, out=None):
+    """The topology ``--plan auto`` plans for on GPUs: this GPU's memory, and the bandwidths of the
+    preset of its kind (A100: zionex, otherwise dgx-h100, said when the kind is not an H100/H200)."""
     import dataclasses
 
+    import torch
+
+    from neorec.planner.topology import dgx_h100, zionex
+
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = str(properties.name)
+    preset = zionex() if "A100" in name else dgx_h100()
+    if not any(kind in name for kind in ("A100", "H100", "H200")):
+        print(f"planner: no preset for {name}: bandwidths as the {preset.name} preset's, memory as this GPU's "
+              f"(or plan with `neorec plan --topology ... --out plan.json` and pass --plan plan.json)",
+              file=out if out is not None else sys.stderr, flush=True)
+    return dataclasses.replace(preset, name=f"local-gpu ({name})", device_memory_bytes=float(properties.total_memory),
+                               num_nodes=world_size // ranks_per_node, ranks_per_node=ranks_per_node)
+
+
+def training_topology(world_size: int, ranks_per_node: int, out=None, device: str = "cpu"):
+    """The topology ``--plan auto`` plans for: on GPUs ``gpu_training_topology``; on the CPU the
+    local-cpu calibration when it exists, else nominal CPU numbers. A calibration made for another
+    number of ranks per node keeps the machine's memory (each rank gets its share of the same
+    memory; it used to keep the memory per rank and overcommit the machine) and says that its
+    bandwidths were measured for that number."""
+    import dataclasses
+
+    import torch
+
     from neorec.planner.topology import Topology, default_calibration_path
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return gpu_training_topology(world_size, ranks_per_node, out)
 
     path = default_calibration_path()
     if not path.is_file():  # nominal: a few GB/s of lookups, sub-GB/s gloo over loopback (`neorec plan --calibrate`)
@@ -261,8 +287,8 @@ def training_topology(world_size: int, ranks_per_node: int, out=None):
 
 def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     """``neorec train --plan auto``: plan the config's tables for the live world. Pooling factors
-    come from the first training batch; the topology from the local-cpu calibration when it
-    exists, else nominal CPU numbers. Deterministic (a fixed number of search rounds, no time
+    come from the first training batch; the topology from this GPU (``gpu_training_topology``), or on
+    the CPU from the local-cpu calibration when it exists, else nominal CPU numbers. Deterministic (a fixed number of search rounds, no time
     limit); training runs it on rank 0 and sends the plan to the others."""
     from neorec.planner.cost_model import PlanSettings, TableSpec
     from neorec.planner.planner import plan_tables
@@ -274,7 +300,7 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     tables: List[TableSpec] = [
         TableSpec(t.name, t.num_embeddings, t.embedding_dim,
                   max(1e-3, sum(per_key.get(f, 0) for f in t.feature_names) / size)) for t in configs]
-    topo = training_topology(world_size, ranks_per_node)
+    topo = training_topology(world_size, ranks_per_node, device=cfg.train.device)
     settings = PlanSettings(batch_size=cfg.data.batch_size, optimizer=cfg.embedding.optimizer.kind,
                             precisions=(cfg.embedding.storage.precision,), tiers=("device",),
                             device_reserve_fraction=0.0)

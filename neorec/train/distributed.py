@@ -102,7 +102,7 @@ class DistributedContext:
         use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if use_cuda:
             if not torch.cuda.is_available():
-                raise ValueError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+                raise ValueError(no_cuda_message())
             torch_device = torch.device("cuda", rank_gpu(local_rank, local_world, torch.cuda.device_count(),
                                                          os.environ.get("CUDA_VISIBLE_DEVICES")))
             torch.cuda.set_device(torch_device)
@@ -113,6 +113,8 @@ class DistributedContext:
         if not dist.is_initialized():
             _init_default_group(backend, rank, world, timeout)
         dense_group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
+        if use_cuda:
+            check_distinct_gpus(str(torch.cuda.get_device_properties(torch_device).uuid), None, torch_device)
         return cls(rank, world, local_rank, local_world, backend, torch_device, dist.group.WORLD, dense_group)
 
     def close(self) -> None:
@@ -126,10 +128,38 @@ class DistributedContext:
         self.embedding_group = self.dense_group = None
 
 
+def no_cuda_message() -> str:
+    """Why ``train.device = 'cuda'`` cannot be had here, and what to do."""
+    if torch.version.cuda is None:
+        return (f"train.device = 'cuda' but this torch ({torch.__version__}) is a CPU-only build: install a CUDA "
+                "build of torch (see the README, \"Training on a GPU\"), or use train.device = 'cpu' or 'auto'")
+    return (f"train.device = 'cuda' but torch {torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA device: "
+            "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or use train.device = 'cpu' or 'auto'")
+
+
+def check_distinct_gpus(uuid: str, group: Any, device: torch.device) -> None:
+    """Every rank of ``group`` passes the UUID of its GPU: two ranks on one GPU (a
+    CUDA_VISIBLE_DEVICES naming one GPU for a whole node, say) are refused on every rank, naming
+    them, before NCCL fails with "Duplicate GPU detected" or hangs."""
+    data = uuid.encode()[:64].ljust(64, b"\0")
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    ranks: dict = {}
+    for rank, tensor in enumerate(everyone):
+        ranks.setdefault(bytes(tensor.cpu().tolist()).rstrip(b"\0").decode(errors="replace"), []).append(rank)
+    shared = {gpu: r for gpu, r in ranks.items() if len(r) > 1}
+    if shared:
+        gpu, together = next(iter(shared.items()))
+        raise ValueError(f"ranks {together} run on one GPU ({gpu}): give each rank its own GPU (one rank per GPU "
+                         "per node; a CUDA_VISIBLE_DEVICES set for the whole node shows every rank the same one)")
+
+
 def rank_gpu(local_rank: int, local_world: int, gpus: int, visible: Optional[str]) -> int:
     """The CUDA device of local rank ``local_rank``: its own one of the node's ``gpus``, or device 0
-    where a launcher gave each rank one GPU of its own (``CUDA_VISIBLE_DEVICES`` set, one visible).
-    More ranks than GPUs is an error: two ranks on one GPU make NCCL fail ("Duplicate GPU") or hang."""
+    where a launcher may have given each rank one GPU of its own (``CUDA_VISIBLE_DEVICES`` set, one
+    visible: ``check_distinct_gpus`` then finds out whether it did). Otherwise more ranks than GPUs
+    is an error: two ranks on one GPU make NCCL fail ("Duplicate GPU") or hang."""
     if local_world <= gpus:
         return local_rank
     if gpus == 1 and visible:

@@ -49,3 +49,12 @@ def test_eval_predictions_are_gathered_on_rank_0_alone(tmp_path):
     single process above)."""
     results = run_ranks(workers.gather_on_main, 3, tmp_path)
     assert results == [[0.0, 1.0, 20.0, 21.0, 22.0, 23.0], None, None]
+
+
+def test_two_ranks_on_one_gpu_are_refused_on_every_rank(tmp_path):
+    """One GPU visible per rank was taken for "a launcher gave each rank its own", but a
+    CUDA_VISIBLE_DEVICES set for the whole node shows every rank the same one: NCCL failed with
+    "Duplicate GPU detected" or hung. The ranks now compare their GPUs' UUIDs."""
+    shared = run_ranks(workers.distinct_gpus, 3, tmp_path / "a", args=(["GPU-a", "GPU-b", "GPU-a"],))
+    assert all(r.startswith("ranks [0, 2] run on one GPU (GPU-a)") for r in shared), shared
+    assert run_ranks(workers.distinct_gpus, 2, tmp_path / "b", args=(["GPU-a", "GPU-b"],)) == ["ok", "ok"]

@@ -173,3 +173,14 @@ def gather_on_main(rank: int, world: int, group):
     local = torch.arange(rank + 2, dtype=torch.float32) + 10 * rank if rank != 1 else torch.zeros(0)
     gathered = gather_to_main(local, group)
     return None if gathered is None else gathered.tolist()
+
+
+def distinct_gpus(rank: int, world: int, group, uuids) -> str:
+    """``check_distinct_gpus`` with rank r claiming the GPU ``uuids[r]``: what each rank gets."""
+    from neorec.train.distributed import check_distinct_gpus
+
+    try:
+        check_distinct_gpus(uuids[rank], group, torch.device("cpu"))
+    except ValueError as exc:
+        return str(exc)
+    return "ok"

@@ -265,3 +265,32 @@ def test_plan_outputs_in_a_missing_folder_are_refused_before_the_search(tmp_path
         err = capsys.readouterr().err
         assert f"plan: {flag} {target}: its directory {target.parent} does not exist" in err, err
         assert not target.parent.exists()
+
+
+@pytest.mark.parametrize("gpu, preset, note", [("NVIDIA H100 80GB HBM3", "dgx-h100", False),
+                                                ("NVIDIA A100-SXM4-40GB", "zionex", False),
+                                                ("NVIDIA L40S", "dgx-h100", True)])
+def test_plan_auto_on_gpus_plans_for_the_gpu_not_for_a_cpu(monkeypatch, gpu, preset, note):
+    """--plan auto planned GPU runs for nominal CPU numbers (4 GB per rank): a 12.8 GB table that two
+    80 GB GPUs hold was refused as infeasible."""
+    import io
+    import types
+
+    import torch
+
+    from neorec.planner.cli import training_topology
+    from neorec.planner.topology import get_topology
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(name=gpu, total_memory=48 * 2**30))
+    out = io.StringIO()
+    topo = training_topology(2, 2, out=out, device="cuda")
+    expected = get_topology(preset)
+    assert topo.name == f"local-gpu ({gpu})" and (topo.num_nodes, topo.ranks_per_node) == (1, 2)
+    assert topo.device_memory_bytes == 48 * 2**30 and topo.device_bandwidth == expected.device_bandwidth
+    assert topo.intra_node_bandwidth == expected.intra_node_bandwidth
+    assert ("no preset for" in out.getvalue()) == note
+    assert training_topology(2, 2, out=out, device="auto").name == topo.name
+    assert training_topology(2, 2, out=io.StringIO(), device="cpu").name.startswith("local-cpu")

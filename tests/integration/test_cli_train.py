@@ -24,6 +24,9 @@ def test_train_tiny_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "final eval: AUC" in out and "QPS" in out
+    from neorec.native import native_available
+    kernel = "native" if native_available() is None else "torch ("
+    assert f"device=cpu, embedding kernel={kernel}" in out.splitlines()[0]  # the header says what runs the lookups
     records = read_log(tmp_path / "metrics.jsonl")
     kinds = [r["kind"] for r in records]
     assert kinds.count("final") == 1 and "train" in kinds

@@ -211,3 +211,48 @@ def test_a_cached_collections_table_copies_are_all_in_host_memory():
         copies = {t.name: (collection.table_weight(t.name), collection.optimizer_state(t.name)) for t in TABLES}
     for name, (weight, state) in copies.items():
         assert not check.on_device(weight) and not any(check.on_device(v) for v in state.values()), name
+
+
+def test_launching_more_ranks_than_gpus_or_cuda_without_it_is_said_once_before_any_rank_starts(monkeypatch):
+    """Each rank said it (an error per rank), or NCCL failed with two ranks on one GPU."""
+    from neorec.cli import check_gpus_for_ranks
+    from neorec.train.distributed import no_cuda_message
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match=r"this torch \(.*\) is a CPU-only build: install a CUDA build"):
+        check_gpus_for_ranks("cuda", 2)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert "finds no CUDA device: check the NVIDIA driver" in no_cuda_message()
+    check_gpus_for_ranks("auto", 2)  # no GPU: auto trains on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"--nproc 2 but 1 CUDA device\(s\) visible: each rank needs a GPU of its own"):
+        check_gpus_for_ranks("auto", 2)
+    check_gpus_for_ranks("cuda", 1)
+    check_gpus_for_ranks("cpu", 4)  # gloo on the CPU: any number
+
+
+def test_a_torch_without_a_fused_dense_optimizer_for_the_device_gets_the_plain_one(monkeypatch):
+    """fused=True was passed for CUDA parameters whatever the torch: releases whose fused Adagrad is
+    CPU-only raised at the first step of the default config on a GPU."""
+    from neorec.config import DenseOptimizerConfig
+    from neorec.train.trainer import make_dense_optimizer
+
+    real = torch.optim.Adagrad
+
+    class CpuOnlyFusedAdagrad(real):
+        def __init__(self, params, fused=None, **options):
+            if fused:
+                raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of "
+                                   "supported devices: ['cpu']")
+            super().__init__(params, **options)
+
+    monkeypatch.setattr(torch.optim, "Adagrad", CpuOnlyFusedAdagrad)
+    params = [torch.nn.Parameter(torch.ones(3))]
+    optimizer = make_dense_optimizer(DenseOptimizerConfig(kind="adagrad", learning_rate=0.1), params)
+    assert isinstance(optimizer, CpuOnlyFusedAdagrad) and not optimizer.defaults.get("fused")
+    params[0].grad = torch.ones(3)
+    optimizer.step()
+    assert params[0].detach().lt(1).all()
+    monkeypatch.setattr(torch.optim, "Adagrad", real)
+    assert make_dense_optimizer(DenseOptimizerConfig(kind="adagrad", learning_rate=0.1), params).defaults["fused"]

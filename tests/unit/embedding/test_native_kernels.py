@@ -374,3 +374,14 @@ def test_a_wider_interaction_than_the_native_kernels_take_runs_on_torch_ops():
     assert torch.allclose(out[0, -1], (dense[0] * sparse[0, 0]).sum()) and dense.grad is not None
     with pytest.raises(ValueError, match=f"fp32 CPU tensors of dims up to {MAX_NATIVE_DIM}"):
         DotInteraction(1, embedding_dim=dim, kernel="native")(dense, sparse)
+
+
+def test_a_runs_header_says_which_kernel_serves_the_tables_and_why_auto_fell_back():
+    """Nothing said whether the native (or on a GPU the Triton) kernels ran or why "auto" took torch ops."""
+    from neorec.embedding.kernel_choice import kernel_summary
+
+    tables = [TableConfig("t", 16, 8)]
+    assert kernel_summary(TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad"))) == "native"
+    assert kernel_summary(TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("adam"))) == \
+        "torch (optimizer 'adam' has no native kernel (have ('sgd', 'rowwise_adagrad', 'adagrad')))"
+    assert kernel_summary(TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="torch")) == "torch"
