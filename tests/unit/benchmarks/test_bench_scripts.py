@@ -85,3 +85,19 @@ def test_bench_allocator_worker_runs_against_bench_e2e():
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["ms"] > 0 and r["max_rss_mb"] > 0 and set(r) == {"ms", "faults", "system_ms", "max_rss_mb"}
+
+
+def test_planner_measured_correlates_busy_ranks_only_and_ranks_ties_by_their_mean():
+    """Idle ranks (predicted 0, measured only their empty call) sat at the origin and inflated the
+    correlation; tied values got distinct ranks."""
+    from bench_planner_measured import spearman, summarize
+
+    assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+    assert spearman([1, 1, 1, 2], [4, 3, 2, 5]) == pytest.approx(0.7745966, rel=1e-6)  # ties share rank 1
+    busy = [{"world": 2, "plan": "p", "rank": r, "predicted_compute": p, "measured_compute": m,
+             "predicted_step": 1.0, "measured_step": 1.0} for r, (p, m) in enumerate([(1.0, 3.0), (2.0, 1.0), (3.0, 2.0)])]
+    idle = [{**busy[0], "rank": 9, "predicted_compute": 0.0, "measured_compute": 6e-6}] * 3
+    compute = ("points_compute", "pearson_compute", "spearman_compute", "median_ratio_compute")
+    assert [summarize(busy + idle)[k] for k in compute] == [summarize(busy)[k] for k in compute]
+    assert summarize(busy)["points_compute"] == 3
+    assert summarize(busy)["pearson_compute"] == pytest.approx(-0.5)
