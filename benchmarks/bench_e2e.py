@@ -17,7 +17,9 @@ Contenders:
 - ``torchrec``: ``torchrec.models.dlrm.DLRM`` over a ``torchrec.EmbeddingBagCollection`` built on
   the meta device, ``apply_optimizer_in_backward(RowWiseAdagrad)`` on the embeddings (TorchRec fuses
   it into fbgemm's CPU TBE), ``DistributedModelParallel`` with its default planner (gloo, CPU, same
-  world size, also for 1 rank), ``KeyedOptimizerWrapper(Adagrad)`` for the dense part.
+  world size, also for 1 rank: its dense part then runs under DDP on a one-rank group, ~2-3% of a
+  pool1 step that neorec's single-process trainer does not pay), ``KeyedOptimizerWrapper(Adagrad)``
+  for the dense part (fused, as neorec's; torch's default on the CPU is a per-parameter loop).
 
 With ``--pipelines``, two more contenders on models of their own: ``neorec_pipeline`` (the same
 step through ``neorec.train.pipeline.TrainPipeline``, what ``neorec train`` runs by default: batch
@@ -26,14 +28,18 @@ driven by ``TrainPipelineSparseDist``, batch i + 1's input all-to-all launched d
 pipeline is kept across timed runs, and the pipelined ratio is reported next to the plain one.
 With ``--ceiling``, one more: ``mlp_only``, the dense MLPs alone (copies of neorec's layers, forward
 and backward on the rank's batch shapes, no embeddings, interaction, exchange, loss or optimizer):
-the matrix products both frameworks run in every step. TorchRec's step over it ("ceiling ratio") is
-the most any framework could reach against TorchRec on this host if everything else took no time.
+the matrix products both frameworks run in every step, in neorec's layers (1-4% faster than
+``nn.Linear``, bench_aligned_linear). TorchRec's step over it ("ceiling ratio") is the most a
+framework running these MLP kernels could reach against TorchRec on this host if everything else
+took no time.
 
 Every rank builds both models; each timed run is ``--steps`` steps of one framework; runs alternate
-neorec, torchrec, neorec, ... ``--repeats`` times per framework after one warm-up run each. Reported:
-median samples/s over runs (global samples / rank 0's wall time) and neorec / torchrec, the median
-of the per-pair ratios (neorec's run i over TorchRec's run i, which ran right after it: a drift of
-the host's speed cancels within a pair; "pair ratio" in the table), rank 0's minor page faults per
+``--repeats`` rounds of one run per framework after one warm-up run each, the order reversed every
+other round (neorec, torchrec, ..., then ..., torchrec, neorec: no contender always runs first or
+right after the same one). Reported: median samples/s over runs (global samples / rank 0's wall
+time) and neorec / torchrec, the median of the per-pair ratios (neorec's run i over TorchRec's run
+i, of the same round: a drift of the host's speed cancels within a pair; "pair ratio" in the
+table), rank 0's minor page faults per
 step (each a trip through the kernel, and the hypervisor on a VM), and every rank's CPU time per
 step, split into its main (Python) thread's and its other threads' (gloo's, OpenMP's): a main thread
 busy for less than the step's wall time was waiting, mostly for the other rank in a collective.
@@ -242,7 +248,8 @@ class TorchrecRunner:
         self.model = DistributedModelParallel(DLRMTrain(dlrm) if pipelined else dlrm, device=torch.device("cpu"))
         self.optimizer = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS),
+            # fused, as neorec's dense Adagrad (torch's default on CPU is the per-parameter loop, ~0.55 ms a step more)
+            lambda params: torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS, fused=True),
         )
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.world = world
@@ -324,8 +331,9 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
 
     for name in runners:  # warm-up run each
         run(name, max(2, args.steps // 2))
-    for _ in range(args.repeats):
-        for name in runners:
+    order = list(runners)
+    for repeat in range(args.repeats):  # the order reversed every other round (ABBA): no contender always
+        for name in (order if repeat % 2 == 0 else order[::-1]):  # runs first, or right after another
             times[name].append(run(name, args.steps))
 
     if args.profile and rank == 0:
@@ -347,8 +355,10 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
             run("neorec", args.steps)
         prof.export_chrome_trace(f"{args.trace}_{c.name}_r{world}_rank{rank}.json")
 
-    # every rank's CPU time in the timed runs (not the warm-up's, nor a profiled or traced one's), to rank 0
+    # every rank's CPU time and rank 0's page faults in the timed runs (not the warm-up's, nor a profiled or
+    # traced one's), to rank 0
     timed_cpu = {n: v[1:1 + args.repeats] for n, v in cpu.items()}
+    faults = {n: v[1:1 + args.repeats] for n, v in faults.items()}
     cpu_by_rank: List[Dict[str, List[List[float]]]] = [{} for _ in range(world)]
     dist.all_gather_object(cpu_by_rank, timed_cpu)
     if rank == 0:
@@ -458,7 +468,7 @@ def main(argv=None) -> int:
             if "ceiling_ratio" in r:
                 print(f"    dense MLPs alone (forward + backward, nothing else): {ms['mlp_only']:.1f} ms; "
                       f"TorchRec's step over it: {r['ceiling_ratio']:.2f} (pair {r['ceiling_median_pair_ratio']:.2f}), "
-                      f"the most any framework could reach if all else took no time", flush=True)
+                      f"the most a framework running these MLP kernels could reach if all else took no time", flush=True)
             print("    CPU ms per step, main thread + other threads, per rank: " + " | ".join(
                 f"{n} " + ", ".join(f"{c['main_thread']:.1f} + {c['other_threads']:.1f}" for c in per_rank)
                 for n, per_rank in r["median_cpu_ms_per_step"].items()), flush=True)
