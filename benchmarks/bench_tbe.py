@@ -13,7 +13,7 @@ neorec, loop, fbgemm, neorec, loop, fbgemm, ... ``--repeats`` times; medians and
 
 Run (from the repository root, venv active; about 4 minutes on 2 cores):
 
-    python benchmarks/bench_tbe.py --out benchmarks/results/bench_tbe.json
+    python benchmarks/bench_tbe.py --out /tmp/tbe.json   # RESULTS.md names each recorded run's file
 
     python benchmarks/bench_tbe.py --quick                          # smoke run, small tables
     python benchmarks/bench_tbe.py --configs pool20 --repeats 11    # one config
