@@ -51,7 +51,7 @@ tenth of the steps is printed, to show both really train.
 
 Run (repository root, venv active, peers: `pip install -r benchmarks/requirements-peers.txt && pip install --no-deps torchrec==1.8.0`; ~15 min on 2 cores):
 
-    python benchmarks/bench_e2e.py --out benchmarks/results/bench_e2e.json
+    python benchmarks/bench_e2e.py --out /tmp/e2e.json   # benchmarks/RESULTS.md names each recorded run's file
 
     python benchmarks/bench_e2e.py --configs pool1 --ranks 1 --steps 5 --repeats 3    # one cell
     python benchmarks/bench_e2e.py --quick                                            # smoke run
