@@ -501,12 +501,12 @@ def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_va
 def _adopt_rounding_state(module: TableBatchedEmbeddingBags, state_dict, prefix, *args) -> None:
     """Before loading: a rounding generator state saved on another kind of device (its size differs)
     cannot be restored; keep this module's own sequence and say so, instead of failing the load."""
-    for name in ("rounding_rng_state", "replica_rounding_rng_state"):
+    for name, rounder in (("rounding_rng_state", module._rounder), ("replica_rounding_rng_state", module._replica_rounder)):
         key, own = prefix + name, getattr(module, name, None)
-        if own is not None and key in state_dict and state_dict[key].shape != own.shape:
+        if own is not None and rounder is not None and key in state_dict and state_dict[key].shape != own.shape:
             warnings.warn(f"load_state_dict: {key} was saved by a generator of another kind of device; "
                           "stochastic rounding goes on from this module's own generator")
-            state_dict[key] = own
+            state_dict[key] = rounder.get_state().to(own.device)  # its live state (the buffer is the last saved one)
 
 
 def _load_rounding_state(module: TableBatchedEmbeddingBags, incompatible_keys) -> None:

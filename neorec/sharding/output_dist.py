@@ -40,11 +40,12 @@ class OutputPlacement:
         self.routing = routing
         self.flat_widths = [d for d in routing.dims_on if d]  # the received blocks' widths
         self.runs: Optional[List[Tuple[int, int, int, int]]] = None
+        self.columns = torch.tensor(routing.columns, dtype=torch.int64, device=device)
         self.layers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         if not routing.additive:
             replica = [routing.replica_dim] if routing.replica_dim else []
             self.runs = part_runs(routing.columns, self.flat_widths + replica)
-        else:
+        elif torch.device(device).type != "cpu":  # the CPU's index_add adds in index order: one call
             self.layers = [(torch.tensor(src, dtype=torch.int64, device=device),
                             torch.tensor(dst, dtype=torch.int64, device=device))
                            for src, dst in addition_layers(routing.columns)]
@@ -60,8 +61,10 @@ class OutputPlacement:
         parts = flat_views(flat, rows, self.flat_widths) + extras
         received = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         out = received.new_zeros(rows, self.routing.total_dim)
+        if not self.layers:  # CPU: the partial sums added in received (rank) order
+            return out.index_add(1, self.columns, received)
         for src, dst in self.layers:  # no target twice in one index_add: CUDA's atomics add in any order
-            out = out.index_add(1, dst, received.index_select(1, src))
+            out.index_add_(1, dst, received.index_select(1, src))
         return out
 
 

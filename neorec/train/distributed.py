@@ -112,9 +112,13 @@ class DistributedContext:
         timeout = timedelta(seconds=timeout_seconds)
         if not dist.is_initialized():
             _init_default_group(backend, rank, world, timeout)
+        if use_cuda:  # before any NCCL collective: NCCL's own check ("Duplicate GPU detected") fails first
+            host = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
+            try:
+                check_distinct_gpus(str(torch.cuda.get_device_properties(torch_device).uuid), host, torch.device("cpu"))
+            finally:
+                dist.destroy_process_group(host)
         dense_group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
-        if use_cuda:
-            check_distinct_gpus(str(torch.cuda.get_device_properties(torch_device).uuid), None, torch_device)
         return cls(rank, world, local_rank, local_world, backend, torch_device, dist.group.WORLD, dense_group)
 
     def close(self) -> None:
@@ -138,9 +142,10 @@ def no_cuda_message() -> str:
 
 
 def check_distinct_gpus(uuid: str, group: Any, device: torch.device) -> None:
-    """Every rank of ``group`` passes the UUID of its GPU: two ranks on one GPU (a
-    CUDA_VISIBLE_DEVICES naming one GPU for a whole node, say) are refused on every rank, naming
-    them, before NCCL fails with "Duplicate GPU detected" or hangs."""
+    """Every rank of ``group`` (a gloo group: this runs before NCCL's first collective, whose own
+    check fails with "Duplicate GPU detected" or hangs) passes the UUID of its GPU: two ranks on one
+    GPU (a CUDA_VISIBLE_DEVICES naming one GPU for a whole node, say) are refused on every rank,
+    naming them."""
     data = uuid.encode()[:64].ljust(64, b"\0")
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
@@ -156,14 +161,14 @@ def check_distinct_gpus(uuid: str, group: Any, device: torch.device) -> None:
 
 
 def rank_gpu(local_rank: int, local_world: int, gpus: int, visible: Optional[str]) -> int:
-    """The CUDA device of local rank ``local_rank``: its own one of the node's ``gpus``, or device 0
-    where a launcher may have given each rank one GPU of its own (``CUDA_VISIBLE_DEVICES`` set, one
-    visible: ``check_distinct_gpus`` then finds out whether it did). Otherwise more ranks than GPUs
-    is an error: two ranks on one GPU make NCCL fail ("Duplicate GPU") or hang."""
+    """The CUDA device of local rank ``local_rank``: its own one of the node's ``gpus``; where a
+    launcher may have given each rank GPUs of its own (``CUDA_VISIBLE_DEVICES`` set, fewer visible
+    than ranks) one of those, ``check_distinct_gpus`` then finding out whether it did. Otherwise
+    more ranks than GPUs is an error: two ranks on one GPU make NCCL fail ("Duplicate GPU") or hang."""
     if local_world <= gpus:
         return local_rank
-    if gpus == 1 and visible:
-        return 0
+    if gpus >= 1 and visible:
+        return local_rank % gpus
     raise ValueError(f"{local_world} ranks on this node but {gpus} CUDA device(s) visible: start at most {gpus} "
                      "ranks per node (torchrun --nproc-per-node, neorec train --nproc), give each rank its own "
                      "GPU with CUDA_VISIBLE_DEVICES, or train on the CPU (train.device = 'cpu')")
@@ -287,19 +292,3 @@ def gather_to_main(tensor: torch.Tensor, group: Any) -> Optional[torch.Tensor]:
     parts = [torch.zeros_like(padded) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, counts)]) if rank == 0 else None
-
-
-def gather_to_all(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """Concatenate the 1-D ``tensor`` of every rank (sizes may differ), in rank order."""
-    world = dist.get_world_size(group)
-    size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    counts = [int(s) for s in sizes]
-    if max(counts) == 0:
-        return tensor[:0]
-    padded = tensor.new_zeros(max(counts))
-    padded[: tensor.numel()] = tensor
-    parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, counts)])

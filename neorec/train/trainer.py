@@ -348,10 +348,19 @@ class Trainer:
         group = self.distributed.dense_group
         logits = gather_to_main(acc.logits().to(self.device), group)
         labels = gather_to_main(acc.labels().to(self.device), group)
-        metrics = compute_metrics(logits.cpu(), labels.cpu()) if logits is not None else {}
-        figures = torch.tensor([float(metrics.get(k, 0.0)) for k in METRIC_KEYS], dtype=torch.float64,
-                               device=self.device)
+        metrics, failure = {}, None
+        if logits is not None:
+            try:
+                metrics = compute_metrics(logits.cpu(), labels.cpu())
+            except Exception as exc:  # every rank stops, not rank 0 alone while the others wait in the broadcast
+                failure = exc
+        figures = torch.tensor([float(metrics.get(k, 0.0)) for k in METRIC_KEYS] + [float(failure is None)],
+                               dtype=torch.float64, device=self.device)
         dist.broadcast(figures, src=dist.get_global_rank(group, 0), group=group)
+        if failure is not None:
+            raise failure
+        if not figures[-1]:
+            raise RuntimeError("evaluation: rank 0 failed computing the metrics (its error is in its output)")
         figures = dict(zip(METRIC_KEYS, figures.tolist()))
         figures["num_samples"] = int(figures["num_samples"])
         return figures

@@ -12,9 +12,21 @@ import torch.distributed as dist
 from workers import small_config
 
 
+def gather_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D ``tensor`` (sizes may differ), concatenated in rank order, on every rank."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([tensor.numel()]), group=group)
+    counts = [int(n) for n in sizes]
+    padded = tensor.new_zeros(max(counts))
+    padded[: tensor.numel()] = tensor
+    parts = [torch.zeros_like(padded) for _ in counts]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+
 def snapshot(trainer, distributed: bool) -> Dict[str, torch.Tensor]:
     """Full tables (gathered), dense weights and the logits of the first global eval batch."""
-    from neorec.train.distributed import gather_to_all, split_batch
+    from neorec.train.distributed import split_batch
 
     model = trainer.model.module if distributed else trainer.model
     out = {}

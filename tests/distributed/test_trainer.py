@@ -58,3 +58,11 @@ def test_two_ranks_on_one_gpu_are_refused_on_every_rank(tmp_path):
     shared = run_ranks(workers.distinct_gpus, 3, tmp_path / "a", args=(["GPU-a", "GPU-b", "GPU-a"],))
     assert all(r.startswith("ranks [0, 2] run on one GPU (GPU-a)") for r in shared), shared
     assert run_ranks(workers.distinct_gpus, 2, tmp_path / "b", args=(["GPU-a", "GPU-b"],)) == ["ok", "ok"]
+
+
+def test_a_failure_computing_the_eval_metrics_on_rank_0_stops_every_rank(tmp_path):
+    """With rank 0 alone computing the metrics, its error left the other ranks waiting in the
+    broadcast of the figures until the launcher or the process group's timeout stopped them."""
+    results = run_ranks(workers.eval_failing_on_rank_0, 2, tmp_path, args=(str(tmp_path),), timeout=60)
+    assert results == ["MemoryError: injected: no memory for the eval sort",
+                       "RuntimeError: evaluation: rank 0 failed computing the metrics (its error is in its output)"]

@@ -184,3 +184,26 @@ def distinct_gpus(rank: int, world: int, group, uuids) -> str:
     except ValueError as exc:
         return str(exc)
     return "ok"
+
+
+def eval_failing_on_rank_0(rank: int, world: int, group, directory: str) -> str:
+    """Rank 0's metrics computation raises: what each rank's evaluate() does (none may wait)."""
+    import io
+    import os
+
+    import neorec.train.trainer as trainer_module
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    def failing(logits, labels):
+        raise MemoryError("injected: no memory for the eval sort")
+
+    trainer_module.compute_metrics = failing
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    trainer = Trainer(small_config(os.path.join(directory, f"r{rank}"), 32, 64), out=io.StringIO(), distributed=context)
+    try:
+        trainer.evaluate(max_batches=2)
+    except (MemoryError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"

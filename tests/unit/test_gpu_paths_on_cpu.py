@@ -136,17 +136,22 @@ def test_a_rounding_generator_state_of_another_kind_of_device_is_not_restored():
     saved["rounding_rng_state"] = torch.zeros(16, dtype=torch.uint8)
     saved["weights"] = saved["weights"] + 1
     other = TableBatchedEmbeddingBags(TABLES, SparseOptimizerConfig(kind="sgd"), storage)
+    other.state_dict()  # the buffer now holds this moment's state ...
+    torch.rand(3, generator=other._rounder.generator("cpu"))  # ... and the generator goes on past it
+    live = other._rounder.get_state()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         other.load_state_dict(saved)
     assert torch.equal(other.weights, saved["weights"])  # the rest of the state dict loads
     assert any("another kind of device" in str(w.message) for w in caught)
+    assert torch.equal(other._rounder.get_state(), live)  # not rewound to the last saved state
 
 
 def test_each_local_rank_gets_its_own_gpu_and_too_many_ranks_are_refused():
     """local_rank % device_count put two ranks on one GPU (NCCL: "Duplicate GPU detected", or a hang)."""
     assert [rank_gpu(r, 4, 8, None) for r in range(4)] == [0, 1, 2, 3]
     assert rank_gpu(3, 4, 1, "2") == 0  # the launcher gave each rank one GPU of its own
+    assert rank_gpu(3, 4, 2, "4,5") == 1  # ... or two (the UUID check finds out whether it did)
     with pytest.raises(ValueError, match="4 ranks on this node but 2 CUDA device"):
         rank_gpu(3, 4, 2, None)
     with pytest.raises(ValueError, match="2 ranks on this node but 1 CUDA device"):
@@ -186,6 +191,22 @@ def test_row_wise_partial_sums_are_added_in_rank_order_without_repeated_targets(
     for source, target in enumerate(columns):  # in received (rank) order, one at a time
         expected[:, target] += received[:, source]
     assert torch.equal(out, expected)
+
+    # a sharded output with a table cut row-wise over 3 ranks: the CPU keeps its one index_add (in
+    # index order; the layers were 3-4x slower there), an accelerator adds layer by layer, same bits
+    from neorec.sharding import ShardingPlan, row_wise, table_wise
+    from neorec.sharding.output_dist import OutputPlacement
+    from neorec.sharding.routing import Routing
+
+    tables = [TableConfig("r", 30, 4), TableConfig("t", 10, 2)]
+    routing = Routing(tables, ShardingPlan({"r": row_wise(tables[0], [0, 1, 2]), "t": table_wise(tables[1], 1)}, 3), 3)
+    assert routing.additive
+    cpu, accelerator = OutputPlacement(routing, torch.device("cpu")), OutputPlacement(routing, torch.device("meta"))
+    assert cpu.layers == [] and len(accelerator.layers) == 3
+    flat = torch.randn(5 * sum(routing.dims_on)) * 1e4
+    single = cpu.place(flat, 5, None)
+    cpu.layers = [(torch.tensor(src), torch.tensor(dst)) for src, dst in addition_layers(routing.columns)]
+    assert torch.equal(cpu.place(flat, 5, None), single)
 
 
 def test_profiling_on_a_gpu_times_finished_work(monkeypatch):
