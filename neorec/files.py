@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import re
+import stat
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -30,23 +32,41 @@ def temporary_name(name: str, pid: Optional[int] = None) -> str:
     return f".{start}{digest}{suffix}"
 
 
+STALE_TEMPORARY_SECONDS = 60.0
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's live process (or a pid no signal can name: leave its file)
+    return True
+
+
 def sweep_temporaries(folder: str | os.PathLike) -> list[Path]:
-    """Remove the temporaries a killed ``write_atomic`` left in ``folder`` (not its subfolders);
-    only for a folder this process holds (``hold_dir``): no other writer can be mid-write there.
-    Returns the files removed."""
+    """Remove the temporaries a killed ``write_atomic`` left in ``folder`` (not its subfolders): those
+    whose writer is no longer a process of this host and that were not written to for a minute (a
+    writer outside the run holding the folder, ``neorec plan --out`` say, or one on another host of
+    a shared file system, keeps its file). Returns the files removed."""
     removed = []
     try:
         entries = list(Path(folder).iterdir())
     except OSError:
         return removed
+    now = time.time()
     for p in entries:
         match = _TEMPORARY.fullmatch(p.name)
-        if match and int(match.group(1)) != os.getpid() and p.is_file() and not p.is_symlink():
-            try:
+        if not match or int(match.group(1)) == os.getpid() or _process_alive(int(match.group(1))):
+            continue
+        try:
+            info = os.lstat(p)
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime > STALE_TEMPORARY_SECONDS:
                 p.unlink()
                 removed.append(p)
-            except OSError:
-                pass
+        except OSError:
+            pass
     return removed
 
 

@@ -29,15 +29,17 @@ NATIVE_OPTIMIZERS = tuple(KIND_CODES)
 
 
 def check_bags(ids: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor], num_bags: int) -> None:
-    """What the C kernels trust, checked in O(1): one offset per bag and one more, the last at the
-    number of ids, a weight per id (a KeyedJaggedTensor built with validate=False whose lengths sum
-    past its values had the kernels read past the ids)."""
+    """What the C kernels trust: one offset per bag and one more, the last at the number of ids, none
+    below the one before (no negative length), a weight per id (a KeyedJaggedTensor built with
+    validate=False whose lengths sum past its values had the kernels read past the ids)."""
     if offsets.numel() != num_bags + 1:
         raise ValueError(f"KeyedJaggedTensor: {offsets.numel() - 1} bags, expected {num_bags} (features x batch size)")
     end = int(offsets[-1]) if num_bags else 0
     if int(offsets[0]) != 0 or end != ids.numel():
         raise ValueError(f"KeyedJaggedTensor: its lengths add up to {end - int(offsets[0])}, but it has {ids.numel()} "
                          "values (build it with validate=True to find the feature)")
+    if num_bags and bool((offsets[1:] < offsets[:-1]).any()):  # a negative length: a bag past its neighbours
+        raise ValueError("KeyedJaggedTensor: a negative length (build it with validate=True to find the feature)")
     if weights is not None and weights.numel() != ids.numel():
         raise ValueError(f"KeyedJaggedTensor: {weights.numel()} weights for {ids.numel()} values")
 

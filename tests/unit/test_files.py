@@ -67,15 +67,31 @@ def test_a_name_at_the_file_system_limit_is_written_atomically(tmp_path):
 
 
 def test_holding_a_folder_sweeps_the_temporaries_a_killed_write_left(tmp_path):
-    """A run killed inside ``write_atomic`` left ``.metrics.jsonl.<pid>.tmp`` files for good."""
-    (tmp_path / temporary_name("metrics.jsonl", pid=999999)).write_text("half")
-    (tmp_path / temporary_name("x" * 300, pid=999998)).write_text("half")
-    (tmp_path / ".notes.tmp").write_text("a user's file")  # not a write_atomic name: kept
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / temporary_name("rank0.json", pid=999999)).write_text("half")  # subfolders: not swept
-    fd = hold_dir(tmp_path, "train.output_dir")
+    """A run killed inside ``write_atomic`` left ``.metrics.jsonl.<pid>.tmp`` files for good. A live
+    writer's temporary (another process writing a plan into the folder) and a fresh one are kept."""
+    import subprocess
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that ended (not reused within the test)
+    old = time.time() - 3600
+    swept = [temporary_name("metrics.jsonl", pid=dead.pid), temporary_name("x" * 300, pid=dead.pid)]
+    live = subprocess.Popen(["sleep", "30"])
     try:
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".neorec.lock", ".notes.tmp", "sub"])
-        assert len(list((tmp_path / "sub").iterdir())) == 1
+        kept = [temporary_name("plan.json", pid=live.pid), ".notes.tmp"]  # a live writer's; not write_atomic's
+        for name in swept + kept:
+            (tmp_path / name).write_text("half")
+            os.utime(tmp_path / name, (old, old))
+        fresh = temporary_name("config.json", pid=dead.pid)
+        (tmp_path / fresh).write_text("half")  # written to a moment ago: kept for now
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / temporary_name("rank0.json", pid=dead.pid)).write_text("half")  # subfolders: not swept
+        fd = hold_dir(tmp_path, "train.output_dir")
+        try:
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".neorec.lock", "sub", fresh, *kept])
+            assert len(list((tmp_path / "sub").iterdir())) == 1
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        live.kill()
+        live.wait()

@@ -357,6 +357,11 @@ def test_an_unvalidated_batch_whose_lengths_pass_its_values_is_refused_before_th
             module(kjt)
     with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
         module(kjt).values.sum().backward()
+    negative = KeyedJaggedTensor(["t"], torch.tensor([1, 2]), torch.tensor([5, -3]), weights=weights, batch_size=2,
+                                 validate=False)  # adds up, but bag 0 would read ids[0:5]
+    with pytest.raises(ValueError, match="a negative length"):
+        with torch.no_grad():
+            module(negative)
 
 
 def test_a_wider_interaction_than_the_native_kernels_take_runs_on_torch_ops():
