@@ -343,7 +343,8 @@ def cache_is_fresh(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_
             meta.get("format") == "neorec-criteo" and meta.get("version") == FORMAT_VERSION
             and meta["num_embeddings"] == num_embeddings
             and meta["source"]["size"] == stat.st_size and meta["source"]["mtime_ns"] == stat.st_mtime_ns
-            and meta["source"].get("sample_sha256", None) in (None, source_fingerprint(tsv_path))
+            and (meta["source"].get("sample_sha256") is None  # written before the fingerprint: not read
+                 or meta["source"]["sample_sha256"] == source_fingerprint(tsv_path))
             and (skip_malformed or meta["stats"]["num_skipped"] == 0)
             and all((out_dir / meta["files"][k]).stat().st_size == sizes[k] for k in sizes)
         )

@@ -298,11 +298,12 @@ class MovieLensSource:
         self._labels = (ratings[order] >= cfg.min_rating_positive).astype(np.float32)
         num = order.size
         cut = num - int(round(num * cfg.eval_fraction))
+        wanted = cut
         if 0 < cut < num:  # not inside a run of equal timestamps: the eval set is later than training
             cut = int(np.searchsorted(self.timestamps, self.timestamps[cut], side="left"))
         self._num_train = cut
         if self._num_train <= 0 or num == 0:
-            tied = f" (all before the cut share timestamp {self.timestamps[0]:.0f})" if num else ""
+            tied = f" (all before the cut share timestamp {self.timestamps[0]:.0f})" if cut < wanted else ""
             raise ValueError(f"{paths['inter']}: {num} interactions leave no training data "
                              f"with eval_fraction {cfg.eval_fraction}{tied}")
         if self._num_train == num:

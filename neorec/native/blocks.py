@@ -37,7 +37,8 @@ def _native_ok(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 def copy_blocks(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every ``(dst, src)`` pair. The fast path takes 2-D CPU tensors with
-    the same number of rows, equal dtype (pairs may differ) and shape in each pair and unit column stride (any row
+    the same number of rows, the same dtype and shape within each pair (pairs may differ in dtype)
+    and unit column stride (any row
     stride); anything else is copied pair by pair with ``copy_``. Destinations must not overlap
     each other or the sources."""
     pairs = [(d, s) for d, s in pairs if d.numel()]

@@ -51,7 +51,7 @@ from neorec.embedding.cached import cached_collections
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 
-def empty_like(batch: Batch) -> Batch:
+def empty_batch_like(batch: Batch) -> Batch:
     """A batch of no samples with ``batch``'s features, dtypes and device."""
     sparse = batch.sparse
     kjt = KeyedJaggedTensor(sparse.keys(), sparse.values[:0], sparse.lengths[:0],
@@ -164,7 +164,7 @@ class TrainPipeline:
                     # an empty one, so that its collectives keep pairing with theirs (without it, step
                     # i's gradient all-to-all met their header exchange: gloo aborted them, or the
                     # bytes were swapped) and this rank's own error is the one reported
-                    hooks = StepHooks(self, empty_like(current[0]))
+                    hooks = StepHooks(self, empty_batch_like(current[0]))
                 else:
                     hooks = StepHooks(self, None)
                 yield current[0], current[1], hooks
@@ -199,7 +199,7 @@ class TrainPipeline:
                     continue
                 except ValueError as exc:
                     error = exc
-            collection.launch_input_dist(empty_like(batch).sparse)
+            collection.launch_input_dist(empty_batch_like(batch).sparse)
         self.num_launched += 1
         if self.timeline is not None:
             self.timeline.add("input_dist", time.perf_counter() - start)

@@ -196,6 +196,9 @@ def test_the_split_does_not_cut_a_timestamp_in_two(tmp_path):
     with pytest.raises(ValueError, match=r"4 interactions leave no training data with eval_fraction 0.2 "
                                          r"\(all before the cut share timestamp 9\)"):
         MovieLensSource(MovieLensConfig(path=str(write_recbole(tmp_path / "ml-tied", tied))))
+    untied = [("1", "1", "4", "10"), ("1", "2", "4", "20")]  # no tie moved the cut: not blamed on one
+    with pytest.raises(ValueError, match=r"2 interactions leave no training data with eval_fraction 0.8$"):
+        MovieLensSource(MovieLensConfig(path=str(write_recbole(tmp_path / "ml-untied", untied)), eval_fraction=0.8))
 
 
 @pytest.mark.parametrize("column, text", [("rating", "nan"), ("rating", "inf"), ("timestamp", "nan"), ("age", "-inf")])
