@@ -230,10 +230,14 @@ def _terminate_raises():
 
 
 def _resume_hint(trainer) -> str:
+    from neorec.train.checkpoint import newest_saved_step
+
     checkpointer = trainer.checkpointer
-    saved = checkpointer.last_saved_step if checkpointer is not None else None
     if checkpointer is None or checkpointer.root is None:
         return " (no checkpoints: set checkpoint.dir to be able to resume)"
+    # the folder too: a stop between a checkpoint's manifest and the end of its save said "none yet"
+    steps = [s for s in (checkpointer.last_saved_step, newest_saved_step(checkpointer.root)) if s is not None]
+    saved = max(steps) if steps else None
     if saved is None:
         return " (no checkpoint saved yet)"
     return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
