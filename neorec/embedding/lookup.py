@@ -51,15 +51,20 @@ class GroupLookup:
     lengths: [num_bags] ids per bag.
     weights: [N] fp32 per-value weights (KJT weights times 1/len for mean pooling) or None.
     batch_major: bag ``b * F_g + f`` is (sample b, feature f); otherwise bag ``f * B + b``.
-    After ``sort()``: permutation [N] int64 (stable order by row), unique [U] int64 rows,
+    key_major_index: with ``batch_major``, [N] each value's position in the key-major order (the
+    KeyedJaggedTensor's).
+    After ``sort()``: permutation [N] int64 (by row; within a row in key-major order, whatever the
+    layout, so that a row's gradient parts add up in one order: the layout is chosen per dim group,
+    and moving tables between modules, "dram" tables to the host one, changed it), unique [U] int64 rows,
     counts [U], segment_starts [U] (start of each unique row's run in sorted order;
     ``position_dtype``: int32 unless there are 2^31 values or bags).
     """
 
     def __init__(self, group: DimGroup, group_index: int, batch_size: int, batch_major: bool,
                  rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
-                 weights: Optional[torch.Tensor]) -> None:
+                 weights: Optional[torch.Tensor], key_major_index: Optional[torch.Tensor] = None) -> None:
         self.group, self.group_index = group, group_index
+        self.key_major_index = key_major_index
         self.batch_size, self.batch_major = batch_size, batch_major
         self.rows, self.offsets, self.lengths, self.weights = rows, offsets, lengths, weights
         self.num_values = rows.numel()
@@ -70,7 +75,15 @@ class GroupLookup:
     def sort(self) -> None:
         if self.permutation is not None:
             return
-        sorted_rows, self.permutation = stable_sort_rows(self.rows, self.group.num_rows)
+        if self.key_major_index is None:
+            sorted_rows, self.permutation = stable_sort_rows(self.rows, self.group.num_rows)
+        else:  # sort the key-major rows, then name each value by its position here (batch-major)
+            key_major_rows = torch.empty_like(self.rows).index_put_((self.key_major_index,), self.rows)
+            sorted_rows, by_key = stable_sort_rows(key_major_rows, self.group.num_rows)
+            position = torch.empty_like(self.key_major_index).index_put_(
+                (self.key_major_index,), torch.arange(self.num_values, device=self.rows.device,
+                                                      dtype=self.key_major_index.dtype))
+            self.permutation = position.index_select(0, by_key).long()
         self.unique, self.counts = torch.unique_consecutive(sorted_rows, return_counts=True)
         self.segment_starts = self.counts.cumsum(0).sub_(self.counts).to(self.position_dtype)
 
@@ -159,6 +172,7 @@ def _prepare_group(layout: TableLayout, group: DimGroup, group_index: int, featu
     weights = None if features.weights is None else features.weights[lo:hi].to(torch.float32)
     batch_major = num_values <= BATCH_MAJOR_MAX_POOLING * num_bags
     bag_lengths = lengths
+    source = None
     if batch_major:
         # gather ids bag by bag in (sample, feature) order
         by_feature = lengths.view(count, batch_size)
@@ -177,7 +191,8 @@ def _prepare_group(layout: TableLayout, group: DimGroup, group_index: int, featu
         bag_scale = torch.where(mean, bag_lengths.clamp(min=1).to(torch.float32).reciprocal_(), 1.0)
         value_scale = torch.repeat_interleave(bag_scale, bag_lengths, output_size=num_values)
         weights = value_scale if weights is None else weights * value_scale
-    return GroupLookup(group, group_index, batch_size, batch_major, rows, offsets, bag_lengths, weights)
+    return GroupLookup(group, group_index, batch_size, batch_major, rows, offsets, bag_lengths, weights,
+                       key_major_index=source if batch_major and count > 1 else None)  # one feature: same order
 
 
 def _raise_bad_id(layout: TableLayout, first: int, values: torch.Tensor, value_starts: List[int], bad) -> None:
