@@ -7,7 +7,7 @@ Locations:
                  host memory IS the device, so it is the same as "device".
     cached_dram  rows in a host-memory row store; a set-associative fp32 cache of ``cache_rows``
                  slots in the fused module on the device.
-    cached_ssd   the same over a memory-mapped SSD file (``path``): tables larger than memory.
+    cached_ssd   the same over an SSD file (``path``, read with pread): tables larger than memory.
 
     [embedding.location]            # TOML, read into LocationConfig
     default = "cached_ssd"          # location of every table ...
@@ -76,7 +76,8 @@ class TableLocation:
         from it) instead of creating and initialising it.
     overwrite: cached_ssd only: replace an existing store at ``path`` when creating.
     background_prefetch: move prefetched rows in a worker thread.
-    resident_budget_mb: cached_ssd only: mapped pages are released after about this much I/O.
+    resident_budget_mb: cached_ssd only: while a store is initialised through its mapping, its pages
+        are released after about this much is written (rows are read and written with pread/pwrite).
     """
 
     kind: str = "device"

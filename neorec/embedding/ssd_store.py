@@ -1,5 +1,6 @@
-"""The SSD row store: rows of a cached embedding table in a memory-mapped file, so that a table
-larger than memory trains through a cache with bounded resident memory.
+"""The SSD row store: rows of a cached embedding table in a file, read and written with
+``pread``/``pwrite``, so that a table larger than memory trains through a cache with bounded
+resident memory.
 
     store = SsdRowStore.create("runs/ssd/t_user", num_rows=10**8, dim=64, precision="fp16",
                                state={"momentum1": 1})
@@ -16,12 +17,17 @@ an open store holds an exclusive lock (``flock`` on ``<parent>/.<name>.lock``, r
 kernel when the process ends), and creating or opening a store another process holds is refused.
 The file is the table's working storage, not a checkpoint: after
 ``flush()`` it is durable; a store written after its last flush is marked unclean and reopening it
-is refused unless ``allow_unclean=True``. Resident memory is bounded: on opening, the file's clean
-cached pages are dropped (``posix_fadvise(DONTNEED)``: pages cached by writes may be large folios,
-and a fault maps a whole folio) and the mapping is advised random access (no read-ahead or
-fault-around), so a touched row maps its own page or two; the pages touched through the mapping
-are released (``madvise(MADV_DONTNEED)``; written pages stay in the page cache and reach the file)
-whenever about ``resident_budget_bytes`` have been touched.
+is refused unless ``allow_unclean=True``.
+
+Resident memory is bounded: rows are read and written with ``preadv``/``pwritev`` (one call per run
+of consecutive ids), so the process holds only the rows it asked for; the page cache keeps what
+the kernel chooses, reclaimable. Reading rows through a memory map instead (as this store first
+did) mapped up to the kernel's fault-around window (64 KiB) per row read from cached pages, past
+its memory budget (2048 random 256-byte rows read and written per operation, 2M rows, 256 MiB
+budget: 11.0-11.6 ms with 473 MiB mapped; 22 ms mapped once the budget was kept; pread/pwrite
+12.6-13.5 ms with nothing mapped). A mapping is
+still used to initialise the file (``write_range``: sequential), its pages released
+(``madvise(MADV_DONTNEED)``) whenever about ``resident_budget_bytes`` have been written.
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from neorec.files import LockHeld, lock_file, write_atomic
 
 _FORMAT = "neorec-row-store"
 _VERSION = 1
-_PAGE = 4096
 
 
 class SsdRowStore(RowStore):
@@ -69,15 +74,7 @@ class SsdRowStore(RowStore):
             self._file.close()
             raise ValueError(f"row store {str(path)!r}: rows.bin holds {size} bytes, expected "
                              f"{num_rows} rows x {fmt.record_bytes} bytes = {num_rows * fmt.record_bytes}")
-        if hasattr(os, "posix_fadvise"):
-            # drop the file's clean cached pages: pages cached by writes (or an earlier process) can
-            # be large folios, and a fault maps a whole folio; re-read under MADV_RANDOM they are
-            # single pages, so a touched row maps its own page or two
-            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        self._map = mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_WRITE)
-        if hasattr(mmap, "MADV_RANDOM"):
-            # rows are touched at random: no read-ahead, no fault-around
-            self._map.madvise(mmap.MADV_RANDOM)
+        self._map = mmap.mmap(self._file.fileno(), size, access=mmap.ACCESS_WRITE)  # write_range only
         array = np.frombuffer(self._map, dtype=np.uint8).reshape(num_rows, fmt.record_bytes)
         super().__init__(torch.from_numpy(array), fmt, bool(meta["stochastic_rounding"]), meta["seed"],
                          name or self.path.name)
@@ -166,15 +163,57 @@ class SsdRowStore(RowStore):
                              f"close()); its rows may mix old and new values. Pass allow_unclean=True to open it anyway")
         return meta
 
+    # ------------------------------------------------------------------------------ access
+    def _runs(self, ids: torch.Tensor):
+        """(order that sorts ``ids``, sorted ids, [(start, end)] runs of consecutive sorted ids)."""
+        values = ids.numpy()
+        order = np.argsort(values, kind="stable")
+        ordered = values[order]
+        cuts = (np.flatnonzero(np.diff(ordered) != 1) + 1).tolist()
+        return order, ordered, list(zip([0] + cuts, cuts + [len(ordered)]))
+
+    def _gather(self, ids: torch.Tensor, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        end = self.format.record_bytes if end is None else end
+        size, fd = self.format.record_bytes, self._file.fileno()
+        order, ordered, runs = self._runs(ids)
+        records = np.empty((len(ordered), size), dtype=np.uint8)
+        for first, last in runs:  # whole records, one call per run of consecutive ids
+            view = records[first:last].reshape(-1)
+            if os.preadv(fd, [view], int(ordered[first]) * size) != view.nbytes:
+                raise OSError(errno.EIO, f"{self._where()}: short read of rows.bin", str(self.path / "rows.bin"))
+        out = np.empty((len(ordered), end - start), dtype=np.uint8)
+        out[order] = records[:, start:end]
+        self.rows_read += len(ordered)
+        self.bytes_read += out.size
+        return torch.from_numpy(out)
+
+    def _scatter(self, ids: torch.Tensor, records: torch.Tensor, start: int = 0) -> None:
+        self._before_write()
+        size, fd = self.format.record_bytes, self._file.fileno()
+        data = np.ascontiguousarray(records.numpy())
+        if start == 0 and data.shape[1] == size:  # whole records: one call per run of consecutive ids
+            order, ordered, runs = self._runs(ids)
+            data = data[order]
+            for first, last in runs:
+                view = data[first:last].reshape(-1)
+                if os.pwritev(fd, [view], int(ordered[first]) * size) != view.nbytes:
+                    raise OSError(errno.EIO, f"{self._where()}: short write of rows.bin", str(self.path / "rows.bin"))
+        else:  # a field of each record (counts, state)
+            for row, target in zip(data, ids.tolist()):
+                if os.pwrite(fd, row, target * size + start) != row.nbytes:
+                    raise OSError(errno.EIO, f"{self._where()}: short write of rows.bin", str(self.path / "rows.bin"))
+        self.rows_written += data.shape[0]
+        self.bytes_written += data.size
+
     # ------------------------------------------------------------------------------ hooks
-    def _touched(self, num_records: int) -> None:
-        # a record spans at most two pages; count pages, not record bytes
-        self._touched_bytes += num_records * max(_PAGE, self.format.record_bytes)
+    def _touched(self, num_records: int) -> None:  # write_range's sequential writes through the mapping
+        self._touched_bytes += num_records * self.format.record_bytes
         if self._touched_bytes >= self.resident_budget_bytes:
             self.release_pages()
 
     def release_pages(self) -> None:
-        """Drop this process's mapped pages (RSS); written data stays in the page cache."""
+        """Drop this process's mapped pages (RSS; the mapping serves ``write_range`` only); written
+        data stays in the page cache."""
         if not self.closed and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED)
             self.releases += 1
@@ -188,7 +227,7 @@ class SsdRowStore(RowStore):
 
     # ------------------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
-        """msync the mapping, fsync the file, then mark the store clean, with its
+        """msync the mapping (``write_range``'s writes), fsync the file (``pwrite``'s), then mark the store clean, with its
         ``training_state`` and the stochastic-rounding generator's state (a reopened store goes on
         with both)."""
         self._check_open()
