@@ -21,6 +21,7 @@ import shlex
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -532,8 +533,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except BrokenPipeError:
         raise  # handled by main: the reader of our output went away
     except (ValueError, TypeError, OSError) as exc:  # what the user can fix: bad input, files, folders
-        if show_traceback:
-            raise
+        if show_traceback:  # the traceback, then the same line and exit code as without it
+            traceback.print_exc()
         print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
         if isinstance(exc, OSError) and exc.errno in _FAILED_ERRNOS:
             return EXIT_FAILED  # a full disk, an I/O error: the run failed, the command was fine
@@ -547,9 +548,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"neorec {args.command}: {exc} received; stopped{ranks}", file=sys.stderr)
         return 128 + exc.signum
     except Exception as exc:  # not foreseen (or a peer rank died): one line and how to see more
-        if show_traceback:
-            raise
         message = " ".join(str(exc).split())  # one line, whatever the exception's text holds
+        if show_traceback:
+            traceback.print_exc()
+            print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message}", file=sys.stderr)
+            return EXIT_FAILED
         print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
               f"`neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
         return EXIT_FAILED

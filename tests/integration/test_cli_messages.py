@@ -30,10 +30,15 @@ def test_neorec_traceback_off_values_show_no_traceback(monkeypatch, capsys, valu
 
 
 @pytest.mark.parametrize("value", ["1", "yes", "true"])
-def test_neorec_traceback_on_values_raise(monkeypatch, value):
+def test_neorec_traceback_on_values_show_the_traceback_and_keep_the_exit_code(monkeypatch, capsys, value):
+    """The traceback was shown by re-raising, which turned the usage exit code 2 into Python's 1."""
     monkeypatch.setenv("NEOREC_TRACEBACK", value)
-    with pytest.raises(ValueError, match="train.max_steps"):
-        main(["config", "--set", "train.max_steps=x"])
+    assert main(["config", "--set", "train.max_steps=x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "ValueError" in err
+    assert err.splitlines()[-1].startswith("neorec config: error: config key 'train.max_steps' must be an integer")
+    monkeypatch.delenv("NEOREC_TRACEBACK")
+    assert main(["--traceback", "config", "--set", "train.max_steps=x"]) == 2
 
 
 def test_write_criteo_into_a_missing_directory_names_the_path_given(tmp_path, capsys):

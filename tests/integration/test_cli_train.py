@@ -91,8 +91,10 @@ def test_unexpected_errors_are_one_line_and_traceback_shows_them(monkeypatch, ca
     assert err.startswith("neorec config: error: RuntimeError: boom second line (unexpected; ")
     assert "`neorec --traceback config ...` shows where" in err
     for argv in (["--traceback", "config"], ["config", "--traceback"]):  # before or after the command
-        with pytest.raises(RuntimeError, match="boom"):
-            main(argv)
+        assert main(argv) == 1  # the same exit code, with the traceback before the line
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback (most recent call last):") and 'raise RuntimeError("boom' in err
+        assert err.splitlines()[-1] == "neorec config: error: RuntimeError: boom second line"
 
 
 def test_os_errors_are_one_line(tmp_path, capsys):
