@@ -300,6 +300,7 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
                                  f"{world} ranks; make a plan for {world} ranks")
             check_plan_nodes(plan, ranks_per_node)
             check_plan_tables(plan, cfg.data.table_names())
+            plan.check_tiers().check_precision(cfg.embedding.storage.precision)
         except ValueError as exc:
             raise ValueError(f"{exc} ({args.plan})") from None
     return cfg, plan

@@ -227,10 +227,25 @@ class ShardingPlan:
         from neorec.sharding.validation import validate_plan
 
         validate_plan(self, tables, self.world_size if world_size is None else world_size)
+        return self.check_tiers(tiers)
+
+    def check_tiers(self, tiers: Sequence[str] = (DEVICE_TIER,)) -> "ShardingPlan":
+        """Every table on one of ``tiers`` (sharded training: the device only). Returns self."""
         elsewhere = [f"{name!r} ({entry.tier})" for name, entry in self.tables.items() if entry.tier not in tiers]
         if elsewhere:
             more = f" and {len(elsewhere) - 5} more" if len(elsewhere) > 5 else ""
             raise ValueError(f"sharding plan: tables {', '.join(elsewhere[:5])}{more} are planned on a storage tier "
                              f"other than {list(tiers)}; sharded training places tables on the device only: make "
                              f"the plan with `neorec plan --tiers device`")
+        return self
+
+    def check_precision(self, precision: str) -> "ShardingPlan":
+        """No table asks for another storage precision than ``precision`` (one rank's fused module
+        holds one precision). Returns self."""
+        for name, entry in self.tables.items():
+            if entry.precision is not None and entry.precision != precision:
+                raise ValueError(
+                    f"sharding plan: table {name!r} asks for precision {entry.precision!r} but the embeddings are "
+                    f"stored in {precision!r}; one rank's fused module holds one precision (set "
+                    f"embedding.storage.precision, or drop the table's precision from the plan)")
         return self

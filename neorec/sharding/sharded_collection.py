@@ -84,12 +84,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.routing = Routing(tables, plan, self.world_size)
         self.plan = plan
-        for name, entry in plan.tables.items():
-            if entry.precision is not None and entry.precision != storage.precision:
-                raise ValueError(
-                    f"sharding plan: table {name!r} asks for precision {entry.precision!r} but the embeddings are "
-                    f"stored in {storage.precision!r}; one rank's fused module holds one precision (set "
-                    f"embedding.storage.precision, or drop the table's precision from the plan)")
+        plan.check_precision(storage.precision)
         self.tables: List[TableConfig] = list(self.routing.tables)
         self.feature_names: List[str] = list(self.routing.feature_names)
         self.embedding_dims: List[int] = list(self.routing.feature_dims)

@@ -95,6 +95,15 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     assert main(["train", "--config", str(TINY), "--nproc", "3", "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "written for world_size 2, but the world has 3 ranks" in err, err
+    for change, message in (("precision", "asks for precision 'fp16' but the embeddings are stored in 'fp32'"),
+                            ("tier", "are planned on a storage tier other than ['device']")):  # each rank said these
+        entries = json.loads(plan.read_text())
+        first = entries["tables"][sorted(entries["tables"])[0]]
+        first.update({"precision": "fp16"} if change == "precision" else {"tier": "dram"})
+        (tmp_path / f"{change}.json").write_text(json.dumps(entries))
+        assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(tmp_path / f"{change}.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
     missing = tmp_path / "day_0.tsv"  # each rank said it, after ~10 s of starting
     assert main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), "--nproc", "2",
                  "--set", f"data.criteo.train_path={missing}"]) == 2
