@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "data.criteo.eval_path (without it: the dataset's first LINES lines)")
     prep = data_sub.add_parser(
         "preprocess-criteo", help="convert a Criteo TSV into neorec's memory-mapped binary form",
-        description="Stream a raw Criteo TSV file into binary memory-mapped arrays (dense log(1+x), "
+        description="Stream a raw Criteo TSV file into binary memory-mapped arrays (dense log(1 + max(x, 0)), "
         "categorical ids hashed into NUM_EMBEDDINGS rows) where `neorec train` looks for them: "
         "PROCESSED_DIR/train (and PROCESSED_DIR/eval for --eval-tsv), PROCESSED_DIR being "
         "data.criteo.processed_dir (default: TSV.neorec beside the file). Training does this "

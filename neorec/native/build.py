@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -79,6 +80,9 @@ def find_compiler() -> Optional[str]:
         return shlex.join([shutil.which(words[0]), *words[1:]])
     for name in ("cc", "gcc", "clang"):
         if shutil.which(name):
+            if words:  # said, not silently replaced
+                warnings.warn(f"CC={os.environ['CC']!r}: {words[0]!r} is not on the PATH; the native kernels "
+                              f"are built with {shutil.which(name)}")
             return shutil.which(name)
     return None
 

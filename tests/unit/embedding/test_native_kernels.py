@@ -310,6 +310,10 @@ def test_a_compiler_command_with_words_of_its_own_is_used_whole(monkeypatch, tmp
     """CC="ccache gcc" was not found as a program and the build quietly used cc instead."""
     import shutil
 
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(UserWarning, match=r"CC='/nonexistent/cc': '/nonexistent/cc' is not on the PATH; the native "
+                                         r"kernels are built with /"):
+        assert native_build.find_compiler() == shutil.which("cc")  # said, not silently replaced
     monkeypatch.setenv("CC", "env cc")
     assert native_build.find_compiler() == f"{shutil.which('env')} cc"
     monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
