@@ -56,8 +56,9 @@ def stochastic_round_bf16(values: torch.Tensor, generator: Optional[torch.Genera
         raise TypeError(f"stochastic_round_bf16 expects fp32 values, got {values.dtype}")
     bits = values.contiguous().view(torch.int32)
     noise = _uniform_16_bits(bits.shape, bits.device, generator)
-    rounded = noise.add_(bits).bitwise_and_(-65536)  # -65536 == 0xFFFF0000 as int32
-    return rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+    rounded = noise.add_(bits).bitwise_and_(-65536).view(torch.float32)  # -65536 == 0xFFFF0000 as int32
+    # a NaN's payload can carry into the sign or clear to an infinity's or zero's pattern: keep NaN
+    return torch.where(values.isnan(), values, rounded).to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
 _FP16_MIN_NORMAL = 2.0**-14
@@ -83,7 +84,7 @@ def stochastic_round_fp16(values: torch.Tensor, generator: Optional[torch.Genera
     noise = _uniform_16_bits(values.shape, values.device, generator).bitwise_right_shift_(3)  # [0, 2^13)
     rounded = noise.add_(magnitude.view(torch.int32)).bitwise_and_(-8192).view(torch.float32)  # ~0x1FFF
     rounded = torch.where(tiny, rounded - _FP16_MIN_NORMAL, rounded).copysign_(values)
-    return rounded.to(torch.float16)
+    return torch.where(values.isnan(), values, rounded).to(torch.float16)  # NaN payloads could round to 0 or inf
 
 
 class Rounder:

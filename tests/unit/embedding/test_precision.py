@@ -66,3 +66,16 @@ def test_fp32_rounder_is_identity_and_bad_precision_is_rejected():
     assert Rounder(torch.float32).round(x) is x
     with pytest.raises(ValueError, match="precision must be one of"):
         storage_dtype("int4")
+
+
+@pytest.mark.parametrize("round_", [stochastic_round_fp16, stochastic_round_bf16])
+def test_stochastic_rounding_keeps_every_nan_a_nan(round_):
+    """The random carry went into a NaN's payload: 0x7FFFFFFF became 0 (or -0), 0x7F800001 +inf,
+    so a diverged row could be stored as zeros."""
+    patterns = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000, -0x00400000, 0x7FBFFFFF], dtype=torch.int32)
+    values = patterns.view(torch.float32).repeat(200)  # many draws of the noise
+    assert values.isnan().all()
+    rounded = round_(values, torch.Generator().manual_seed(1))
+    assert rounded.isnan().all()
+    ordinary = torch.tensor([1.0, -2.5, float("inf"), float("-inf"), 0.0])
+    assert torch.equal(round_(ordinary, torch.Generator().manual_seed(1)).float()[2:], ordinary[2:])
