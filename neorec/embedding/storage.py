@@ -218,8 +218,11 @@ class RowStore:
                 half = rows.to(_PAYLOAD_DTYPES[self.precision])
             out[:, : 2 * dim].view(half.dtype).copy_(half)
         else:
-            low = rows.amin(dim=1)
-            scale = (rows.amax(dim=1) - low) / 255.0
+            low, high = rows.aminmax(dim=1)
+            scale = (high - low) / 255.0
+            # a span of a few subnormals: the scale rounded down (or to 0) would not reach the row's max
+            scale = torch.where(scale * 255.0 < high - low, torch.nextafter(scale, torch.full_like(scale, math.inf)),
+                                scale)
             q = (rows - low.unsqueeze(1)).div_(torch.where(scale > 0, scale, 1.0).unsqueeze(1))
             if stochastic:
                 q.add_(torch.rand(q.shape, generator=self._generator)).floor_()

@@ -12,13 +12,16 @@ directory): a crash leaves either the old file or the new one, never a torn one.
   x [R, C] fp32 to ``bits`` in {8, 4, 2}: ``scale = (max - min) / (2^bits - 1)``,
   ``q = round((x - min) / scale)``; 4- and 2-bit codes are packed 2 and 4 per byte. Stored:
   codes uint8 [R, ceil(C * bits / 8)], ``scale`` and ``minimum`` fp32 [R]. The reconstruction
-  error of an element is at most ``scale / 2``.
+  error of an element is at most ``scale / 2`` plus the fp32 rounding of ``q * scale + min`` (an ulp
+  of the value: it shows only for rows whose span is a few ulps); a span of subnormals whose
+  ``scale`` would round to 0 gets the next representable one (its rows were decoded as constant).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import math
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -86,8 +89,11 @@ def quantize_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tenso
         scale = torch.zeros(rows)
         codes = torch.zeros(rows, cols, dtype=torch.uint8)
     else:
-        minimum = x.amin(dim=1)
-        scale = (x.amax(dim=1) - minimum) / levels
+        minimum, maximum = x.aminmax(dim=1)
+        scale = (maximum - minimum) / levels
+        # a span of a few subnormals: the scale rounded down (or to 0) would not reach the row's max
+        scale = torch.where(scale * levels < maximum - minimum, torch.nextafter(scale, torch.full_like(scale, math.inf)),
+                            scale)
         if not bool(torch.isfinite(scale).all()):
             row = int((~torch.isfinite(scale)).nonzero()[0])
             raise UnquantizableRowError(row, bits)

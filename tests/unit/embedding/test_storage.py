@@ -325,3 +325,12 @@ def test_ssd_store_mapped_memory_stays_near_its_budget_with_fault_around(tmp_pat
         peak = max(peak, _mapped_kib(tmp_path / "t" / "rows.bin") << 10)
     store.close()
     assert peak <= budget + per_op * (64 << 10) + (1 << 20), peak  # the budget, one operation, some slack
+
+
+def test_int8_rows_of_subnormals_keep_their_span():
+    """The row's scale underflowed to 0: a row spanning a few subnormals was stored as a constant."""
+    store = DramRowStore(2, 4, "int8")
+    tiny = torch.tensor([[1e-39, 1.00003e-39, 1.00001e-39, 1.00002e-39], [0.0, 1.0, 2.0, 3.0]])
+    store.write(torch.tensor([0, 1]), tiny)
+    back = store.read_rows(torch.tensor([0, 1]))
+    assert back[0].amax() > back[0].amin() and torch.allclose(back[1], tiny[1], atol=3 / 255)

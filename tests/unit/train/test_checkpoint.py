@@ -589,3 +589,13 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(
                "--output-dir", str(tmp_path / "cli"), "--set", f"checkpoint.dir='{tmp_path / 'ckpt2'}'",
                "--set", "checkpoint.every_steps=2", "--set", "train.max_steps=6"])
     assert rc == 1  # a failed run, not a misused command
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantized_rows_of_subnormals_keep_their_span(bits):
+    """A row spanning a few subnormals got scale 0 and came back constant (error 21 ulps)."""
+    tiny = torch.tensor([[1e-39, 1.00003e-39, 1.00001e-39, 1.00002e-39]])
+    codes, scale, minimum = quantize_rows(tiny, bits)
+    back = dequantize_rows(codes, scale, minimum, bits, 4)
+    assert scale[0] > 0 and back.amax() > back.amin()
+    assert torch.all((back - tiny).abs() <= scale / 2 + torch.finfo(torch.float32).smallest_normal * 2**-23)
