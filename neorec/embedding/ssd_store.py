@@ -273,6 +273,9 @@ def _lock(path: Path) -> int:
     try:
         return lock_file(path.parent / f".{path.name}.lock")
     except LockHeld as held:
+        if held.holder == str(os.getpid()):
+            raise ValueError(f"row store {str(path)!r} is already open in this process; close() it before opening "
+                             f"it again, or give each table its own store") from None
         raise ValueError(f"row store {str(path)!r} is in use by another process (pid {held.holder}); two runs "
                          f"must not share an SSD store: give this one another embedding.location.ssd_dir "
                          f"(or train.output_dir)") from None

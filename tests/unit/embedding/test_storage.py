@@ -183,8 +183,8 @@ def test_a_store_is_used_by_one_process_at_a_time(tmp_path):
         holder.wait()
     reopened = SsdRowStore.open(path)  # the kernel dropped the lock with the process
     assert reopened.num_rows == 10
-    with pytest.raises(ValueError, match="is in use by another process"):
-        SsdRowStore.open(path)  # a second handle in the same process too
+    with pytest.raises(ValueError, match="is already open in this process; close"):
+        SsdRowStore.open(path)  # a second handle in the same process too (it named this process as "another")
     reopened.close()
     SsdRowStore.create(path, 20, 4, overwrite=True).close()
 
