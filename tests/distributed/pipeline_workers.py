@@ -136,12 +136,21 @@ def codec_training(rank: int, world: int, group, directory: str) -> Dict:
     return out
 
 
+def _small_trainer(rank: int, world: int, group, directory: str):
+    """This rank's distributed Trainer of the small config, writing under ``directory/rank<r>``."""
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    return Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64), out=io.StringIO(),
+                   distributed=context)
+
+
 def fail_between_forward_and_backward(rank: int, world: int, group, directory: str) -> str:
     """Rank 1 raises between its third step's forward and backward, while the pipeline has the
     next batch's id exchange launched; returns what each rank raised."""
-    from neorec.train.distributed import DistributedContext
     from neorec.train.pipeline import StepHooks
-    from neorec.train.trainer import Trainer
 
     calls = {"n": 0}
     after_forward = StepHooks.after_forward
@@ -153,10 +162,7 @@ def fail_between_forward_and_backward(rank: int, world: int, group, directory: s
             raise RuntimeError("injected failure after the forward of step 3")
 
     StepHooks.after_forward = failing
-    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
-                                 dist.new_group(list(range(world))))
-    trainer = Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64), out=io.StringIO(),
-                      distributed=context)
+    trainer = _small_trainer(rank, world, group, directory)
     try:
         trainer.fit()
     except RuntimeError as exc:
@@ -169,7 +175,6 @@ def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str) -> 
     outside its table ("id"); returns what each rank raised, at which step."""
     from neorec.data.batch import Batch
     from neorec.sparse.jagged import KeyedJaggedTensor
-    from neorec.train.distributed import DistributedContext
     from neorec.train.trainer import Trainer
 
     train_batches = Trainer._train_batches
@@ -187,10 +192,7 @@ def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str) -> 
             yield batch, size
 
     Trainer._train_batches = failing
-    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
-                                 dist.new_group(list(range(world))))
-    trainer = Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64), out=io.StringIO(),
-                      distributed=context)
+    trainer = _small_trainer(rank, world, group, directory)
     try:
         trainer.fit()
     except (OSError, RuntimeError, ValueError) as exc:
