@@ -227,9 +227,9 @@ class SsdRowStore(RowStore):
 
     # ------------------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
-        """msync the mapping (``write_range``'s writes), fsync the file (``pwrite``'s), then mark the store clean, with its
-        ``training_state`` and the stochastic-rounding generator's state (a reopened store goes on
-        with both)."""
+        """msync the mapping (``write_range``'s writes), fsync the file (``pwrite``'s), then mark the
+        store clean, with its ``training_state`` and the stochastic-rounding generator's state (a
+        reopened store goes on with both)."""
         self._check_open()
         self._map.flush()
         os.fsync(self._file.fileno())
@@ -259,7 +259,7 @@ class SsdRowStore(RowStore):
 
     def __del__(self) -> None:
         # dropped without close(): like a crash, the rows written since the last flush reach the
-        # file (shared mapping) but the store stays marked unclean; just release the descriptor
+        # file (page cache) but the store stays marked unclean; just release the descriptor
         file = getattr(self, "_file", None)
         if file is not None and not file.closed:
             file.close()
