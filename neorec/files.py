@@ -151,7 +151,7 @@ def hold_dir(path: str | os.PathLike, what: str) -> Optional[int]:
                          f"another {what}, or wait for that one to end") from None
     except OSError:  # no locks on this file system: go on without (and sweep nothing: not known to be ours)
         return None
-    sweep_temporaries(path)  # a killed run's half-written files: no other run writes here now
+    sweep_temporaries(path)  # the half-written files of writers killed here (see sweep_temporaries)
     return fd
 
 
