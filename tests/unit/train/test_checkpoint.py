@@ -1,6 +1,6 @@
 """Checkpoints on one process: save / resume equals uninterrupted training (bit for bit, fp32),
-incremental = full, quantized rows within their error bound, corrupt checkpoints detected and the
-previous complete one used, modified-row tracking of the fused module.
+incremental = full, corrupt checkpoints detected and the previous complete one used, modified-row
+tracking of the fused module (quantized rows: test_checkpoint_quantized.py).
 
     python -m pytest tests/unit/train/test_checkpoint.py -q
 """
@@ -16,7 +16,7 @@ import torch
 
 from neorec.config import load_config
 from neorec.train.checkpoint import find_latest_complete, verify_checkpoint
-from neorec.train.checkpoint_files import dequantize_rows, load_tensors, quantize_rows
+from neorec.train.checkpoint_files import load_tensors
 from neorec.train.trainer import Trainer
 
 SMALL = ["data.synthetic.num_train_samples=1000", "data.synthetic.num_eval_samples=200", "data.batch_size=128",
@@ -138,32 +138,6 @@ def test_full_checkpoint_when_increments_grow(tmp_path):
     for record in records[1:]:  # the increments since a full one stay under 0.9 of a full one (+ file overhead)
         since_full = 0 if record["kind"] == "full" else since_full + record["embedding_bytes"]
         assert since_full <= 0.9 * full_bytes + 4096
-
-
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_quantize_rows_error_bound(bits):
-    x = torch.randn(37, 11) * torch.linspace(0.01, 3, 37)[:, None]
-    codes, scale, minimum = quantize_rows(x, bits)
-    assert codes.dtype == torch.uint8 and codes.shape == (37, (11 * bits + 7) // 8)
-    back = dequantize_rows(codes, scale, minimum, bits, 11)
-    assert torch.all((back - x).abs() <= scale[:, None] / 2 + 1e-6)
-    assert torch.equal(back.amin(1), x.amin(1)) or torch.allclose(back.amin(1), x.amin(1))
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_checkpoint_restores_within_error(tmp_path, bits):
-    trainer = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 6, f"checkpoint.row_bits={bits}"))
-    trainer.fit()
-    restored = make_trainer(tmp_path, "train.max_steps=6", resume=str(tmp_path / "ckpt"), name="restored")
-    restored.fit()
-    a, b = snapshot(trainer), snapshot(restored)
-    for key in a:
-        if key.endswith(".w"):
-            spread = (a[key].amax(1) - a[key].amin(1))[:, None]
-            assert torch.all((a[key] - b[key]).abs() <= spread / ((1 << bits) - 1) / 2 + 1e-6), key
-            assert not torch.equal(a[key], b[key])
-        else:  # optimizer state and dense weights stay exact
-            assert torch.equal(a[key], b[key]), key
 
 
 def test_corrupt_checkpoints_are_detected_and_skipped(tmp_path):
@@ -466,31 +440,6 @@ def test_a_rewound_run_never_prunes_or_mixes_with_the_future_it_left(tmp_path):
     assert checkpoint_names(root) == ["step-000000005", "step-000000006"]
 
 
-@pytest.mark.parametrize("incremental", [False, True])
-def test_a_row_that_cannot_be_quantized_stops_the_run_naming_table_row_and_resume_point(tmp_path, incremental):
-    """It raised quantize_rows' bare ValueError (the usage exit code 2), with the row's index in
-    the saved subset, no table, no step, no checkpoint to go on from."""
-    from neorec.train.checkpoint import CheckpointWriteError
-
-    extra = ["checkpoint.row_bits=8", f"checkpoint.incremental={'true' if incremental else 'false'}",
-             "checkpoint.full_when_fraction_exceeds=100.0"]
-    trainer = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, *extra))
-    trainer.fit()
-    tbe = trainer.model.sparse_arch.tbe
-    weight = tbe.get_table_weight("t_feature_2")
-    weight[150] = float("inf")
-    tbe.set_table_weight("t_feature_2", weight)
-    if incremental:  # rows 10 and 150 changed since step 2: the bad row is the second one written
-        start = tbe.table_row_offsets[tbe._table("t_feature_2")]
-        tbe.modified_rows.zero_()
-        tbe.modified_rows[start + 10] = tbe.modified_rows[start + 150] = True
-    trainer.step = 3
-    with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 3 .*table 't_feature_2' row 150 holds NaN "
-                       r"or inf.*its last complete checkpoint is of step 2") as caught:
-        trainer.checkpointer.save()
-    assert caught.value.exit_code == 1
-
-
 def test_a_closed_standard_output_is_not_a_failed_checkpoint(tmp_path):
     """`neorec train | head`: the line reporting a complete checkpoint hit a closed pipe, and the
     BrokenPipeError (an OSError) was reported as "could not write the checkpoint"."""
@@ -540,12 +489,6 @@ def test_checkpoints_of_cached_tables_are_refused_before_their_ssd_stores_are_to
         assert [p.read_bytes() for p in stores] == trained
 
 
-def test_quantize_rows_refuses_rows_whose_range_overflows():
-    x = torch.tensor([[0.0, 1.0], [-3e38, 3e38]])
-    with pytest.raises(ValueError, match="quantize_rows: row 1 .* spanning more than the fp32 range"):
-        quantize_rows(x, 8)
-
-
 def test_a_resume_with_other_optimizer_settings_uses_them_and_says_so(tmp_path):
     """The dense optimizer took the checkpoint's learning rate, eps and weight decay over the
     config's (the sparse one follows the config), silently."""
@@ -589,13 +532,3 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(
                "--output-dir", str(tmp_path / "cli"), "--set", f"checkpoint.dir='{tmp_path / 'ckpt2'}'",
                "--set", "checkpoint.every_steps=2", "--set", "train.max_steps=6"])
     assert rc == 1  # a failed run, not a misused command
-
-
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_quantized_rows_of_subnormals_keep_their_span(bits):
-    """A row spanning a few subnormals got scale 0 and came back constant (error 21 ulps)."""
-    tiny = torch.tensor([[1e-39, 1.00003e-39, 1.00001e-39, 1.00002e-39]])
-    codes, scale, minimum = quantize_rows(tiny, bits)
-    back = dequantize_rows(codes, scale, minimum, bits, 4)
-    assert scale[0] > 0 and back.amax() > back.amin()
-    assert torch.all((back - tiny).abs() <= scale / 2 + torch.finfo(torch.float32).smallest_normal * 2**-23)
