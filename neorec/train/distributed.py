@@ -280,15 +280,15 @@ def broadcast_text(text: Optional[str], group: Any, device: torch.device, src: i
 
 
 def gather_to_main(tensor: torch.Tensor, group: Any) -> Optional[torch.Tensor]:
-    """On rank 0 of ``group``: the 1-D ``tensor`` of every rank (sizes may differ) concatenated in
-    rank order; None on the others (they hold nothing of the others' tensors)."""
+    """On rank 0 of ``group``: the ``tensor`` [n_r, ...] of every rank (n_r may differ, the other
+    dims not) concatenated in rank order; None on the others (they hold nothing of the others')."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
+    size = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     counts = [int(s) for s in sizes]
-    padded = tensor.new_zeros(max(counts))
-    padded[: tensor.numel()] = tensor
+    padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
     parts = [torch.zeros_like(padded) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, counts)]) if rank == 0 else None

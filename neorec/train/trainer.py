@@ -346,12 +346,12 @@ class Trainer:
         # AUC does not decompose: rank 0 gathers every prediction, computes, and sends the figures
         # (every rank gathering and computing held ~120 bytes per eval sample on each of them)
         group = self.distributed.dense_group
-        logits = gather_to_main(acc.logits().to(self.device), group)
-        labels = gather_to_main(acc.labels().to(self.device), group)
+        pairs = gather_to_main(torch.stack([acc.logits(), acc.labels()], dim=1).to(self.device), group)  # [N, 2]
         metrics, failure = {}, None
-        if logits is not None:
+        if pairs is not None:
             try:
-                metrics = compute_metrics(logits.cpu(), labels.cpu())
+                pairs = pairs.cpu()
+                metrics = compute_metrics(pairs[:, 0], pairs[:, 1])
             except Exception as exc:  # every rank stops, not rank 0 alone while the others wait in the broadcast
                 failure = exc
         figures = torch.tensor([float(metrics.get(k, 0.0)) for k in METRIC_KEYS] + [float(failure is None)],
