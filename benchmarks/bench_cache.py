@@ -16,7 +16,9 @@ Sections (all by default; ``--sections`` picks some):
 - ``big-ssd``: in a child process whose data segment is capped (``RLIMIT_DATA``, default 1 GiB;
   shared file mappings are not counted, private memory is), a table several times that size
   (fp16 rows on SSD) trains through a cache; the device-resident module is tried first under the
-  same cap and is refused. Reports peak / final RSS, samples/s, hit rate.
+  same cap and is refused. Reports peak / final RSS, samples/s, hit rate; then a full checkpoint
+  of the trained model (dirty rows still in the cache) is saved and restored into the same stores,
+  under the same cap (time, bytes, peak RSS; sampled rows compared before and after).
 
 Run (from the repository root, venv active; about 4 minutes on 2 cores):
 
@@ -260,6 +262,7 @@ def big_ssd_child(args) -> Dict:
     steps = sum(len(r) for r in rates.values()) * chunk
     out["samples_per_s"] = {mode: statistics.median(r) for mode, r in rates.items()}
     out["all_samples_per_s"] = rates
+    out["checkpoint"] = _big_checkpoint(args, trainer, collection)
     collection.flush()
     stats = collection.cache_stats()["t_feature_0"]
     out.update(steps=steps, cache_rows=collection.caches["t_feature_0"].num_slots, hit_rate=stats["hit_rate"],
@@ -270,12 +273,55 @@ def big_ssd_child(args) -> Dict:
     return out
 
 
+def _reset_peak_rss() -> bool:
+    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _big_checkpoint(args, trainer, collection) -> Dict:
+    """Save a full checkpoint of ``trainer`` (its big table in chunk files) and restore it into the
+    same stores; rows sampled before the save must come back equal (the fp16 store's rows are
+    exact in fp32, and resident rows go back to their slots)."""
+    from neorec.train.checkpoint import Checkpointer
+    from neorec.train.checkpoint_config import CheckpointConfig
+
+    directory = os.path.join(args.workdir, "ckpt")
+    shutil.rmtree(directory, ignore_errors=True)
+    checkpointer = Checkpointer(CheckpointConfig(dir=directory, row_bits=args.big_checkpoint_bits), trainer)
+    sample = torch.randint(0, args.big_rows, (20_000,), generator=torch.Generator().manual_seed(1)).unique()
+    before, _ = collection.read_rows("t_feature_0", sample)
+    out: Dict = {"row_bits": args.big_checkpoint_bits, "peak_reset": _reset_peak_rss()}
+    start = time.perf_counter()
+    path = checkpointer.save()
+    out["save_seconds"] = time.perf_counter() - start
+    out["files"] = len(list(path.glob("rank0*.pt")))
+    out["bytes"] = sum(f.stat().st_size for f in path.glob("*.pt"))
+    out["memory_after_save"] = _memory()
+    _reset_peak_rss()
+    start = time.perf_counter()
+    checkpointer.restore(path)
+    out["restore_seconds"] = time.perf_counter() - start
+    out["memory_after_restore"] = _memory()
+    after, _ = collection.read_rows("t_feature_0", sample)
+    error = (after - before).abs().max().item()
+    out["sampled_rows"], out["sampled_max_abs_error"] = sample.numel(), error
+    if args.big_checkpoint_bits == 32 and error != 0:
+        raise RuntimeError(f"restored rows differ from the saved ones (max |error| {error})")
+    shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
 def section_big_ssd(args, workdir: str) -> Dict:
     command = [sys.executable, os.path.abspath(__file__), "--child-big-ssd", "--workdir", workdir,
                "--threads", str(args.threads), "--big-rows", str(args.big_rows), "--big-dim", str(args.big_dim),
                "--big-steps", str(args.big_steps), "--big-cache-rows", str(args.big_cache_rows),
                "--batch-size", str(args.batch_size), "--pooling", str(args.pooling),
-               "--data-limit-gb", str(args.data_limit_gb), "--resident-budget-mb", str(args.resident_budget_mb)]
+               "--data-limit-gb", str(args.data_limit_gb), "--resident-budget-mb", str(args.resident_budget_mb),
+               "--big-checkpoint-bits", str(args.big_checkpoint_bits)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"big-ssd child failed:\n{done.stderr[-4000:]}")
@@ -291,6 +337,13 @@ def section_big_ssd(args, workdir: str) -> Dict:
           f"cache {out['cache_rows']:,} rows, hit rate {out['hit_rate']:.1%}, {out['evictions']:,} evictions, "
           f"{out['write_backs']:,} write-backs, store read {out['store_bytes_read'] / 2**20:,.0f} MiB, written "
           f"{out['store_bytes_written'] / 2**20:,.0f} MiB")
+    ck = out["checkpoint"]
+    peak = "" if ck["peak_reset"] else " (peak not reset: the process's peak so far)"
+    print(f"full checkpoint ({ck['row_bits']}-bit rows), dirty rows in the cache: saved in {ck['save_seconds']:.1f} s, "
+          f"{ck['bytes'] / gib:.2f} GiB in {ck['files']} files, peak RSS {ck['memory_after_save']['VmHWM'] / gib:.2f} "
+          f"GiB{peak}; restored into the stores in {ck['restore_seconds']:.1f} s, peak RSS "
+          f"{ck['memory_after_restore']['VmHWM'] / gib:.2f} GiB; {ck['sampled_rows']:,} sampled rows max |error| "
+          f"{ck['sampled_max_abs_error']:.3g}")
     for when in ("memory_after_create", "memory_end"):
         m = out[when]
         print(f"{when}: peak RSS {m['VmHWM'] / gib:.2f} GiB, RSS {m['VmRSS'] / gib:.2f} GiB "
@@ -325,6 +378,8 @@ def main(argv=None) -> int:
     parser.add_argument("--big-cache-rows", type=int, default=32_768)
     parser.add_argument("--data-limit-gb", type=float, default=1.0)
     parser.add_argument("--resident-budget-mb", type=int, default=256)
+    parser.add_argument("--big-checkpoint-bits", type=int, default=32, choices=(32, 8, 4, 2),
+                        help="row_bits of the big table's checkpoint (32 = exact)")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--child-big-ssd", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

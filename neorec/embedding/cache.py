@@ -7,6 +7,8 @@ rows, and prefetch that pins the next batch's rows.
     ...                                # the caller trains weights[slots] / state[slots] in place
     cache.prefetch(next_ids)           # load the next batch's rows ahead (optionally in a thread)
     cache.flush()                      # write every dirty row (+ state) back to the store
+    rows, state = cache.read(ids)      # rows as training sees them (slot or store), between steps
+    cache.write(ids, rows, state)      # set rows in the store and in their slot (checkpoint restore)
 
 The cache does not own its fp32 storage: ``weights`` [num_slots, dim] and ``state``
 ({name: [num_slots] or [num_slots, dim]}) are views given by the caller. In
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -429,6 +431,55 @@ class SetAssociativeCache:
         if not bool(hit.all()):
             rows[~hit] = self.store.read_rows(unique[~hit].cpu()).to(self.device)
         return rows, inverse
+
+    def resident(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) of every resident row (home sets and transient slots), sorted by row, in
+        host memory: the index ``read`` and ``write`` take to find rows in their slots."""
+        self.wait()
+        slots = (self.slot_rows >= 0).nonzero().squeeze(1)
+        rows = self.slot_rows.index_select(0, slots)
+        order = torch.argsort(rows)
+        return rows.index_select(0, order).cpu(), slots.index_select(0, order).cpu()
+
+    def _resident_slots(self, ids: torch.Tensor, resident: Optional[Tuple[torch.Tensor, torch.Tensor]]):
+        """(positions in ``ids`` of the resident rows, their slots on the cache's device)."""
+        held_rows, held_slots = resident if resident is not None else self.resident()
+        if held_rows.numel() == 0 or ids.numel() == 0:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty.to(self.device)
+        at = torch.searchsorted(held_rows, ids).clamp_(max=held_rows.numel() - 1)
+        positions = (held_rows.index_select(0, at) == ids).nonzero().squeeze(1)
+        return positions, held_slots.index_select(0, at.index_select(0, positions)).to(self.device)
+
+    def read(self, ids: torch.Tensor, resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+             ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(rows [n, dim], state) of the host ids [n] in host memory, as training sees them: from
+        the slot when resident (the latest values), else from the store. Changes nothing.
+        ``resident``: this cache's ``resident()``, when the caller reads many chunks."""
+        self.wait()
+        ids = ids.to("cpu", torch.int64)
+        rows, state = self.store.read(ids)
+        positions, slots = self._resident_slots(ids, resident)
+        if positions.numel():
+            rows[positions] = self.weights.index_select(0, slots).cpu()
+            for name, value in self.state.items():
+                state[name][positions] = value.index_select(0, slots).cpu()
+        return rows, state
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, state: Mapping[str, torch.Tensor],
+              resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Set the distinct host ids [n] to ``rows`` [n, dim] / ``state`` (every field): in the
+        store (rounded to its precision) and, for resident rows, in their slot too, which becomes
+        dirty (its exact values reach the store when it is written back). Access counts stay."""
+        self.wait()
+        ids = ids.to("cpu", torch.int64)
+        self.store.write(ids, rows, state)
+        positions, slots = self._resident_slots(ids, resident)
+        if positions.numel():
+            self.weights.index_copy_(0, slots, rows.index_select(0, positions).to(self.device))
+            for name, value in self.state.items():
+                value.index_copy_(0, slots, state[name].index_select(0, positions).to(self.device))
+            self.dirty[slots] = True
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Load the rows of ``ids`` for the next lookup and pin them until that lookup's update is

@@ -22,8 +22,11 @@ Contract: each batch's backward runs before the next forward (checked: a late ba
 before touching any row). ``prefetch(features)`` names the batch after the next forward; its rows
 load while that forward/backward runs. ``flush()`` may be called between steps.
 
-Not covered by ``state_dict``: the rows of cached tables live in their stores (flush, then keep the
-store directory); the module's buffers hold only the device tables and cache slots.
+Not covered by ``state_dict``: the rows of cached tables live in their stores; the module's buffers
+hold only the device tables and cache slots. The trainer's checkpoints cover them
+(``neorec/train/checkpoint_tables.py``, ``CachedPieces``) through ``read_rows`` / ``write_rows``
+(rows where training sees them, between steps) and ``track_modified_rows`` /
+``take_modified_rows`` (every table; a cached table's rows are marked at each training lookup).
 """
 
 from __future__ import annotations
@@ -165,6 +168,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._generation = 0
         self._pending_update = False
         self._prefetch_request: Optional[List[Tuple[str, torch.Tensor]]] = None  # (cache, ids), checked
+        self._modified: Optional[Dict[str, torch.Tensor]] = None  # cached tables' rows trained since a take
 
     # ------------------------------------------------------------------------------ construction
     def _make_tbe(self, shapes: Dict[str, Tuple[int, int]], optimizer: SparseOptimizerConfig) -> TableBatchedEmbeddingBags:
@@ -192,6 +196,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         shapes[name] = (slots, ways)
         new = self._make_tbe(shapes, old.optimizer)
         new.step.copy_(old.step)
+        if old.modified_rows is not None:  # the other tables' marks carry over (a cached table's are here)
+            new.track_modified_rows()
         old_index = {t.name: i for i, t in enumerate(old.tables)}
         for i, t in enumerate(new.tables):
             if t.name == name:
@@ -204,6 +210,9 @@ class CachedEmbeddingBagCollection(nn.Module):
                 (ni, oi, n) = ((new.table_row_offsets[i], old.table_row_offsets[j], t.num_embeddings) if per == "row"
                                else (new.table_offsets[i], old.table_offsets[j], size))
                 getattr(new, buffer)[ni : ni + n].copy_(getattr(old, buffer)[oi : oi + n])
+            if old.modified_rows is not None:
+                marks = old.modified_rows[old.table_row_offsets[j] : old.table_row_offsets[j] + t.num_embeddings]
+                new.modified_rows[new.table_row_offsets[i] : new.table_row_offsets[i] + t.num_embeddings] = marks
         self.tbe = new
         stats = old_cache.stats
         self.caches[name] = SetAssociativeCache(old_cache.store, *self._slot_storage(name), ways=ways,
@@ -343,6 +352,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             table = self._table_of[name]
             parts = self._table_ids(features, table, position, offsets)
             ids = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if update and self._modified is not None:  # the rows this batch's update trains
+                self._modified[name][ids] = True
             try:
                 slots = self.caches[name].lookup(ids, update=update)
             except CacheTooSmallError as error:
@@ -530,6 +541,71 @@ class CachedEmbeddingBagCollection(nn.Module):
         for field, value in cache.state.items():
             state[field][rows] = value[valid].cpu()
         return state
+
+    def resident(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) of cached table ``name``'s resident rows: ``SetAssociativeCache.resident``."""
+        return self._cache_of(name).resident()
+
+    @torch.no_grad()
+    def read_rows(self, name: str, ids: torch.Tensor, resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(rows [n, dim], optimizer state) of rows ``ids`` of cached table ``name``, fp32 copies in
+        host memory, as training sees them (resident rows from their slot, the others from the
+        store). ``resident``: ``resident(name)``, computed once for many reads between steps."""
+        return self._cache_of(name).read(ids, resident)
+
+    @torch.no_grad()
+    def write_rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor, state: Mapping[str, torch.Tensor],
+                   resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Set the distinct rows ``ids`` of cached table ``name`` (and their optimizer state, every
+        field): in its store, rounded to the store's precision, and in their slot when resident
+        (``SetAssociativeCache.write``). Between steps only."""
+        if self._pending_update:
+            raise RuntimeError("write_rows between a forward and its backward; write rows between steps")
+        self._cache_of(name).write(ids, rows, state, resident)
+
+    def track_modified_rows(self, enabled: bool = True) -> None:
+        """Start (or stop) marking the rows each training step updates, of every table (cleared
+        now): cached tables' rows are marked when a training forward looks them up, the others by
+        their fused module (``TableBatchedEmbeddingBags.track_modified_rows``)."""
+        for module in (self.tbe, self.host_tbe):
+            if module is not None:
+                module.track_modified_rows(enabled)
+        self._modified = ({name: torch.zeros(self._table_of[name].num_embeddings, dtype=torch.bool)
+                           for name in self.caches} if enabled else None)
+
+    def take_modified_rows(self, name: str) -> torch.Tensor:
+        """[K] int64 ascending rows of table ``name`` updated since tracking started or since this
+        table's last take (its marks are cleared), for any table of the collection."""
+        self._check_table(name)
+        if name not in self.caches:
+            return self._module_of(name).take_modified_rows(name)
+        if self._modified is None:
+            raise ValueError("take_modified_rows: call track_modified_rows() first")
+        marks = self._modified[name]
+        rows = marks.nonzero().squeeze(1)
+        marks.zero_()
+        return rows
+
+    def count_modified_rows(self, name: str) -> int:
+        """How many rows ``take_modified_rows(name)`` would return (the marks stay)."""
+        self._check_table(name)
+        if name not in self.caches:
+            module = self._module_of(name)
+            if module.modified_rows is None:
+                raise ValueError("count_modified_rows: call track_modified_rows() first")
+            t = module._table(name)
+            return int(module.modified_rows[module.table_row_offsets[t] : module.table_row_offsets[t]
+                                            + module.table_rows[t]].sum())
+        if self._modified is None:
+            raise ValueError("count_modified_rows: call track_modified_rows() first")
+        return int(self._modified[name].sum())
+
+    def _cache_of(self, name: str) -> SetAssociativeCache:
+        self._check_table(name)
+        if name not in self.caches:
+            raise ValueError(f"table {name!r} is not cached (its location is {self.locations[name].kind!r})")
+        return self.caches[name]
 
     def cache_stats(self) -> Dict[str, Dict[str, float]]:
         """{table: cache counters + the store's row/byte counters (prefixed "store_")}."""

@@ -9,6 +9,9 @@ automatically when ``torchrun --max-restarts`` restarts a worker.
 One checkpoint = ``<dir>/step-<N>/``:
     rank<r>.pt    this rank's embedding pieces (``checkpoint_tables.py``) and its stochastic-rounding
                   generator state; flat dict of tensors (``torch.load(weights_only=True)``)
+    rank<r>-<k>.pt  the rows of this rank's cached tables (``embedding.location``), one file per
+                  chunk of rows (about 64 MiB), so that no table is ever held whole in memory
+    rank<r>.json  this rank's files, their sizes, checksums and pieces (read by rank 0)
     dense.pt      (rank 0) dense weights, dense optimizer tensors, the torch CPU generator state
     manifest.json (rank 0, written LAST, atomically) step, data position, tables, plan, config,
                   pieces per file, sha256 and size of every file, the chain of checkpoints to apply
@@ -21,7 +24,7 @@ newest complete one (a newer torn or corrupt one is reported and skipped); resto
 named ``step-<N>`` takes that one or stops.
 
 Incremental (``checkpoint.incremental``): the fused modules mark the rows every optimizer step
-updates; an incremental checkpoint writes only the rows marked since the previous checkpoint
+updates (a cached table's rows are marked when a training step looks them up); an incremental checkpoint writes only the rows marked since the previous checkpoint
 (plus all dense state); its chain is the last full checkpoint, then every increment since. A full
 checkpoint is taken instead when the increments since the last full one would exceed
 ``full_when_fraction_exceeds`` of a full one's embedding bytes.
@@ -48,7 +51,8 @@ import torch.distributed as dist
 from neorec.train.checkpoint_config import CheckpointConfig
 from neorec.files import write_atomic
 from neorec.train.checkpoint_files import UnquantizableRowError, load_tensors, save_tensors, sha256_file
-from neorec.train.checkpoint_tables import count_modified, model_pieces, piece_bytes, restore_pieces, save_pieces
+from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces, piece_bytes, restore_pieces,
+                                            save_pieces)
 from neorec.train.distributed import all_reduce_sums
 
 FORMAT = "neorec-checkpoint-1"
@@ -185,9 +189,11 @@ class Checkpointer:
         self.world_size = context.world_size if context is not None else 1
         self.group = context.dense_group if context is not None else None
         self.root = Path(cfg.dir) if cfg.dir else None
-        self.tbe, self.pieces = model_pieces(_unwrap(trainer.model).sparse_arch, self.rank)
-        if cfg.incremental and self.tbe is not None:
-            self.tbe.track_modified_rows()
+        self.sparse_arch = _unwrap(trainer.model).sparse_arch
+        self.pieces = model_pieces(self.sparse_arch, self.rank)
+        if cfg.incremental:
+            for holder in holders(self.pieces):
+                holder.track()
         self.chain: List[str] = []
         self.full_bytes = 0.0
         self.increment_bytes = 0.0
@@ -272,12 +278,11 @@ class Checkpointer:
         if not self.cfg.incremental or not self.chain:
             return "full"
         full = incremental = 0.0
-        if self.tbe is not None:
-            for piece in self.pieces:
-                if piece.writes:
-                    rows = piece.row_end - piece.row_start
-                    full += piece_bytes(self.tbe, piece, rows, self.cfg.row_bits)
-                    incremental += piece_bytes(self.tbe, piece, count_modified(self.tbe, piece), self.cfg.row_bits)
+        for piece in self.pieces:
+            if piece.writes:
+                kind, rows = piece.holder.optimizer_kind, piece.row_end - piece.row_start
+                full += piece_bytes(kind, piece, rows, self.cfg.row_bits)
+                incremental += piece_bytes(kind, piece, piece.holder.count_modified(piece), self.cfg.row_bits)
         if self.world_size > 1:
             full, incremental = all_reduce_sums([full, incremental], self.group, self.trainer.device)
         if self.increment_bytes + incremental > self.cfg.full_when_fraction_exceeds * full:
@@ -307,26 +312,35 @@ class Checkpointer:
         path.mkdir(parents=True, exist_ok=True)
         if self.rank == 0 and (path / MANIFEST).exists():
             (path / MANIFEST).unlink()  # rewriting this step: it is incomplete until the new manifest
-        tensors, entries = save_pieces(self.tbe, self.pieces, kind == "incremental", self.cfg.row_bits, "p")
-        if self.tbe is not None and self.tbe._rounder.stochastic:
-            tensors["rng.rounding"] = self.tbe._rounder.get_state().cpu()
-            if self.tbe._replica_rounder is not None:  # the same on every rank
-                tensors["rng.replica_rounding"] = self.tbe._replica_rounder.get_state().cpu()
-        file = f"rank{self.rank}.pt"
-        size = save_tensors(path / file, tensors)
-        meta = {"file": file, "bytes": size, "sha256": sha256_file(path / file), "entries": entries,
-                "sparse_step": int(self.tbe.step) if self.tbe is not None else None}
+        for stale in path.glob(f"rank{self.rank}-*.pt"):  # chunk files of an earlier try at this step
+            stale.unlink()
+        modules = fused_modules(self.sparse_arch)
+        files = []
+        # the main file rank<r>.pt: every piece held whole, the rounding generators; then one file
+        # per chunk of a cached table's rows, rank<r>-<k>.pt (CachedPieces)
+        for number, (tensors, entries) in enumerate(save_pieces(self.pieces, kind == "incremental",
+                                                                self.cfg.row_bits, "p")):
+            if number == 0:
+                for name, module in modules:
+                    if module._rounder.stochastic:
+                        tensors[_rng_key(name, "rounding")] = module._rounder.get_state().cpu()
+                        if module._replica_rounder is not None:  # the same on every rank
+                            tensors[_rng_key(name, "replica_rounding")] = module._replica_rounder.get_state().cpu()
+            file = f"rank{self.rank}.pt" if number == 0 else f"rank{self.rank}-{number}.pt"
+            size = save_tensors(path / file, tensors)
+            files.append({"file": file, "bytes": size, "sha256": sha256_file(path / file), "entries": entries})
+        meta = {"files": files, "sparse_step": int(modules[0][1].step) if modules else None}
         write_atomic(path / f"rank{self.rank}.json", json.dumps(meta).encode())
         if self.rank == 0:
             dense, optimizer_json = _dense_state(trainer)
             dense_size = save_tensors(path / "dense.pt", dense)
         self._barrier()
         if self.rank == 0:
-            metas = [json.loads((path / f"rank{r}.json").read_text()) for r in range(self.world_size)]
-            files = {m["file"]: {"bytes": m["bytes"], "sha256": m["sha256"]} for m in metas}
+            metas = self._rank_metas(path)
+            files = {f["file"]: {"bytes": f["bytes"], "sha256": f["sha256"]} for m in metas for f in m["files"]}
             files["dense.pt"] = {"bytes": dense_size, "sha256": sha256_file(path / "dense.pt")}
             chain = [checkpoint_name(step)] if kind == "full" else self.chain + [checkpoint_name(step)]
-            embedding_bytes = sum(m["bytes"] for m in metas)
+            embedding_bytes = sum(f["bytes"] for m in metas for f in m["files"])
             manifest = {
                 "format": FORMAT, "step": step, "kind": kind, "chain": chain,
                 "epoch": self.position.epoch, "batch_in_epoch": self.position.batch_in_epoch,
@@ -336,7 +350,7 @@ class Checkpointer:
                 "tables": _table_shapes(trainer),
                 "sparse_optimizer": trainer.cfg.embedding.optimizer.kind,
                 "sparse_step": max((m["sparse_step"] for m in metas if m["sparse_step"] is not None), default=0),
-                "pieces": {m["file"]: m["entries"] for m in metas},
+                "pieces": {f["file"]: f["entries"] for m in metas for f in m["files"]},
                 "dense_optimizer": optimizer_json, "files": files,
                 "bytes": {"embeddings": embedding_bytes, "dense": dense_size},
                 "config": trainer.cfg.to_dict(),
@@ -360,8 +374,12 @@ class Checkpointer:
         self._say(f"saved {kind} checkpoint {path} ({total:,} bytes of embeddings)")
         return path
 
+    def _rank_metas(self, path: Path) -> List[dict]:
+        """What every rank wrote at ``path``: its files, their pieces and its optimizer step."""
+        return [json.loads((path / f"rank{r}.json").read_text()) for r in range(self.world_size)]
+
     def _embedding_bytes(self, path: Path) -> int:
-        return sum((path / f"rank{r}.pt").stat().st_size for r in range(self.world_size))
+        return sum(f["bytes"] for m in self._rank_metas(path) for f in m["files"])
 
     def _prune(self, step: int) -> None:
         """Rank 0: drop complete checkpoints beyond ``keep_last`` (not the ones a kept chain
@@ -440,21 +458,23 @@ class Checkpointer:
                     cache[key] = load_tensors(Path(key[0]) / key[1])
                 return cache[key]
             chain.append((entries, tensors_of))
-        restore_pieces(self.tbe, self.pieces, chain)
-        if self.tbe is not None:
-            self.tbe.step.fill_(int(manifest["sparse_step"]))
-            if self.tbe._rounder.stochastic:
-                same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
-                    trainer.plan.to_dict() if trainer.plan is not None else None)
+        restore_pieces(self.pieces, chain)
+        same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
+            trainer.plan.to_dict() if trainer.plan is not None else None)
+        for name, module in fused_modules(self.sparse_arch):
+            module.step.fill_(int(manifest["sparse_step"]))
+            if module._rounder.stochastic:
                 saved = load_tensors(path / f"rank{self.rank}.pt") if same_layout else {}
-                if "rng.rounding" in saved and self.tbe._rounder.set_state(saved["rng.rounding"]):
-                    if self.tbe._replica_rounder is not None and "rng.replica_rounding" in saved:
-                        self.tbe._replica_rounder.set_state(saved["rng.replica_rounding"])
+                key = _rng_key(name, "rounding")
+                if key in saved and module._rounder.set_state(saved[key]):
+                    if module._replica_rounder is not None and _rng_key(name, "replica_rounding") in saved:
+                        module._replica_rounder.set_state(saved[_rng_key(name, "replica_rounding")])
                 else:
-                    self._say("stochastic-rounding generators restart from their seed (another world size, plan "
-                              "or kind of device, or a checkpoint saved without stochastic rounding)")
-            if self.cfg.incremental:
-                self.tbe.track_modified_rows()  # clears the marks: the restored rows are the checkpoint's
+                    self._say("stochastic-rounding generators restart from their seed (another world size, plan, "
+                              "table location or kind of device, or a checkpoint saved without stochastic rounding)")
+        if self.cfg.incremental:
+            for holder in holders(self.pieces):
+                holder.track()  # clears the marks: the restored rows are the checkpoint's
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
         trainer.step = int(manifest["step"])
         self.resumed_from = path
@@ -467,6 +487,11 @@ class Checkpointer:
         self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "
                   f"batch {batch} of the epoch)")
         return Position(trainer.step, int(manifest["epoch"]), batch)
+
+
+def _rng_key(module: str, generator: str) -> str:
+    """Name of a fused module's generator state in the rank file ("" = the main module)."""
+    return f"rng.{module}.{generator}" if module else f"rng.{generator}"
 
 
 def _unwrap(model):

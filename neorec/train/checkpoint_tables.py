@@ -1,13 +1,20 @@
 """Embedding tables in checkpoints as LOGICAL tables: each saved piece is a row range x column range
-of a model table (a whole table, a row-wise or column-wise shard, or a data-parallel replica
-written once, by rank 0). Restoring reads, for every piece the current model holds, the parts of
-the saved pieces that overlap it, so a checkpoint restores into any world size and any plan.
+of a model table (a whole table, a row-wise or column-wise shard, a data-parallel replica written
+once, by rank 0, or a chunk of rows of a cached table). Restoring reads, for every piece the
+current model holds, the parts of the saved pieces that overlap it, so a checkpoint restores into
+any world size, any plan and any table location (device, DRAM, cached in front of DRAM or SSD).
+
+Where a rank's pieces live is a ``PieceHolder``: ``FusedPieces`` (a fused module, the pieces held
+whole) or ``CachedPieces`` (the cached tables of a ``CachedEmbeddingBagCollection``: rows read as
+training sees them, from the cache slot when resident, else from the store; saved ``CHUNK_BYTES``
+at a time into files of their own and restored chunk by chunk, so a table larger than host
+memory is never held whole).
 
 Saved per piece (``key`` = a short name inside its rank's tensor file):
     ``<key>.w``      fp32 [K, cols] rows (row_bits 32), or
     ``<key>.q`` uint8 [K, packed cols], ``<key>.scale`` / ``<key>.min`` fp32 [K] (row_bits 8/4/2)
-    ``<key>.ids``    int64 [K] rows (relative to the piece's first row) of an incremental piece;
-                     absent: all rows of the piece, in order
+    ``<key>.ids``    int64 [K] rows (relative to the first row of the entry's ``rows`` range) of an
+                     incremental entry; absent: every row of that range, in order
     ``<key>.s.<n>``  optimizer state ``n`` (fp32 [K] row-wise, [K, cols] per element), full precision
 Restore order: the full checkpoint, then each increment in order (later rows overwrite).
 
@@ -21,7 +28,7 @@ splitting a whole row gives every piece the whole row's statistic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -29,13 +36,13 @@ from neorec.embedding.optimizers import STATE_LAYOUT
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.train.checkpoint_files import UnquantizableRowError, dequantize_rows, quantize_rows
 
-OFF_DEVICE_CHECKPOINTS = ("checkpoints of cached / off-device embedding tables (embedding.location) are not "
-                          "supported yet; train with every table on the device to use [checkpoint] or --resume")
+CHUNK_BYTES = 64 << 20  # a cached table's rows are saved and restored this many bytes at a time
 
 
 @dataclass
 class LocalPiece:
-    """A piece of table ``table`` held by this rank's fused module under the name ``local``."""
+    """A piece of table ``table`` held by this rank under the name ``local``, through ``holder``
+    (``FusedPieces`` or ``CachedPieces``)."""
 
     table: str
     local: str
@@ -44,80 +51,249 @@ class LocalPiece:
     col_start: int
     col_end: int
     writes: bool  # this rank writes it (False: a replica that rank 0 writes)
+    holder: "PieceHolder" = None  # type: ignore[assignment]
 
 
-def model_pieces(sparse_arch, rank: int) -> Tuple[Optional[TableBatchedEmbeddingBags], List[LocalPiece]]:
-    """This rank's fused module and the pieces it holds, for an ``EmbeddingBagCollection`` or a
-    ``ShardedEmbeddingBagCollection``."""
+class PieceHolder:
+    """Where a rank's pieces live, as the checkpoint reads and writes them. ``ids`` are rows
+    relative to the piece's first row; values are fp32 [K, cols] rows and the optimizer state
+    ({name: [K] row-wise or [K, cols]})."""
+
+    chunk_rows: Optional[int] = None  # None: saved and restored whole; else this many rows at a time
+    optimizer_kind: str
+
+    def track(self) -> None:
+        """Start marking modified rows (the marks are cleared)."""
+        raise NotImplementedError
+
+    @property
+    def tracking(self) -> bool:
+        raise NotImplementedError
+
+    def take_modified(self, piece: LocalPiece) -> torch.Tensor:
+        raise NotImplementedError
+
+    def count_modified(self, piece: LocalPiece) -> int:
+        raise NotImplementedError
+
+    def prepare(self, piece: LocalPiece):
+        """Whatever many reads / writes of ``piece`` between two steps can share (or None)."""
+        return None
+
+    def read(self, piece: LocalPiece, ids: Optional[torch.Tensor], context=None
+             ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(rows, state) of ``ids`` (None: every row of the piece)."""
+        raise NotImplementedError
+
+    def write(self, piece: LocalPiece, weight: torch.Tensor, state: Dict[str, torch.Tensor], context=None) -> None:
+        """Overwrite every row of the piece."""
+        raise NotImplementedError
+
+
+class FusedPieces(PieceHolder):
+    """Pieces held whole in a fused module; ``module()`` is the current one (a cached collection
+    rebuilds its fused module when a cache grows)."""
+
+    def __init__(self, module: Callable[[], TableBatchedEmbeddingBags]) -> None:
+        self.module = module
+
+    @property
+    def optimizer_kind(self) -> str:  # type: ignore[override]
+        return self.module().optimizer.kind
+
+    def track(self) -> None:
+        self.module().track_modified_rows()
+
+    @property
+    def tracking(self) -> bool:
+        return self.module().modified_rows is not None
+
+    def take_modified(self, piece: LocalPiece) -> torch.Tensor:
+        return self.module().take_modified_rows(piece.local)
+
+    def count_modified(self, piece: LocalPiece) -> int:
+        tbe = self.module()
+        t = tbe._table(piece.local)
+        lo = tbe.table_row_offsets[t]
+        return int(tbe.modified_rows[lo : lo + tbe.table_rows[t]].sum())
+
+    def read(self, piece, ids, context=None):
+        tbe = self.module()
+        if ids is None:
+            # merged on host copies: the saved tensors are host tensors, and CUDA refuses indexed
+            # writes of host values into device tensors (write copies back)
+            return tbe.get_table_weight(piece.local, device="cpu"), tbe.get_optimizer_state(piece.local, device="cpu")
+        weight, state = _table_views(tbe, piece.local)  # gather the rows from views: no copy of the table
+        ids = ids.to(weight.device)
+        return (weight.index_select(0, ids).to("cpu", torch.float32),
+                {k: v.index_select(0, ids).cpu() for k, v in state.items()})
+
+    def write(self, piece, weight, state, context=None):
+        tbe = self.module()
+        tbe.set_table_weight(piece.local, weight)
+        tbe.set_optimizer_state(piece.local, state)
+
+
+class CachedPieces(PieceHolder):
+    """The cached tables of a ``CachedEmbeddingBagCollection``: whole tables (``local`` is the
+    table's name, row 0 its first row) read as training sees them, resident rows from their cache
+    slot and the others from the store, and written to both; ``chunk_rows`` rows at a time, so a
+    table larger than host memory is never held whole."""
+
+    def __init__(self, collection) -> None:
+        self.collection = collection
+
+    @property
+    def optimizer_kind(self) -> str:  # type: ignore[override]
+        return self.collection.tbe.optimizer.kind
+
+    def chunk_rows_of(self, piece: LocalPiece) -> int:
+        cols = piece.col_end - piece.col_start
+        state = sum(1 if layout == "row" else cols for _, layout in STATE_LAYOUT[self.optimizer_kind])
+        return max(1, CHUNK_BYTES // (4 * (cols + state)))
+
+    def track(self) -> None:
+        self.collection.track_modified_rows()
+
+    @property
+    def tracking(self) -> bool:
+        return self.collection._modified is not None
+
+    def take_modified(self, piece):
+        return self.collection.take_modified_rows(piece.local)
+
+    def count_modified(self, piece):
+        return self.collection.count_modified_rows(piece.local)
+
+    def prepare(self, piece):
+        return self.collection.resident(piece.local)
+
+    def read(self, piece, ids, context=None):
+        rows = torch.arange(piece.row_start, piece.row_end) if ids is None else ids.cpu() + piece.row_start
+        return self.collection.read_rows(piece.local, rows, context)
+
+    def write(self, piece, weight, state, context=None):
+        self.collection.write_rows(piece.local, torch.arange(piece.row_start, piece.row_end), weight, state, context)
+
+
+def model_pieces(sparse_arch, rank: int) -> List[LocalPiece]:
+    """The pieces this rank holds, for an ``EmbeddingBagCollection``, a
+    ``CachedEmbeddingBagCollection`` or a ``ShardedEmbeddingBagCollection``."""
     from neorec.embedding.cached import CachedEmbeddingBagCollection
     from neorec.embedding.tables import EmbeddingBagCollection
     from neorec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 
+    def whole(table, holder: PieceHolder) -> LocalPiece:
+        return LocalPiece(table.name, table.name, 0, table.num_embeddings, 0, table.embedding_dim, True, holder)
+
     if isinstance(sparse_arch, CachedEmbeddingBagCollection):
-        raise ValueError(OFF_DEVICE_CHECKPOINTS)
+        fused, cached = FusedPieces(lambda: sparse_arch.tbe), CachedPieces(sparse_arch)
+        host = FusedPieces(lambda: sparse_arch.host_tbe)
+        host_names = sparse_arch._host_names()
+        return [whole(t, cached if t.name in sparse_arch.caches else host if t.name in host_names else fused)
+                for t in sparse_arch.tables]
     if isinstance(sparse_arch, EmbeddingBagCollection):
-        return sparse_arch.tbe, [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, True)
-                                 for t in sparse_arch.tables]
+        fused = FusedPieces(lambda: sparse_arch.tbe)
+        return [whole(t, fused) for t in sparse_arch.tables]
     if isinstance(sparse_arch, ShardedEmbeddingBagCollection):
-        routing = sparse_arch.routing
+        if sparse_arch.tbe is None:
+            return []
+        routing, fused = sparse_arch.routing, FusedPieces(lambda: sparse_arch.tbe)
         pieces = [LocalPiece(p.table.name, p.config.name, p.shard.row_start, p.shard.row_end, p.shard.col_start,
-                             p.shard.col_end, True) for p in routing.shards_on[rank]]
-        pieces += [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, rank == 0)
+                             p.shard.col_end, True, fused) for p in routing.shards_on[rank]]
+        pieces += [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, rank == 0, fused)
                    for t in routing.replicas]
-        return sparse_arch.tbe, pieces
+        return pieces
     raise TypeError(f"checkpoint: unsupported embedding collection {type(sparse_arch).__name__}")
 
 
-def piece_bytes(tbe: TableBatchedEmbeddingBags, piece: LocalPiece, num_rows: int, row_bits: int) -> int:
+def fused_modules(sparse_arch) -> List[Tuple[str, TableBatchedEmbeddingBags]]:
+    """(name, module) of every fused module of this rank, the main one first under the name "" (its
+    optimizer step is the checkpoint's): a cached collection's host module is "host"."""
+    modules = [("", getattr(sparse_arch, "tbe", None)), ("host", getattr(sparse_arch, "host_tbe", None))]
+    return [(name, module) for name, module in modules if module is not None]
+
+
+def holders(pieces: List[LocalPiece]) -> List[PieceHolder]:
+    """The distinct holders of ``pieces``."""
+    out: List[PieceHolder] = []
+    for piece in pieces:
+        if not any(piece.holder is h for h in out):
+            out.append(piece.holder)
+    return out
+
+
+def piece_bytes(optimizer_kind: str, piece: LocalPiece, num_rows: int, row_bits: int) -> int:
     """Bytes the payload of ``num_rows`` rows of ``piece`` takes (estimate for the full/incremental policy)."""
     cols = piece.col_end - piece.col_start
     row = (cols * 4) if row_bits == 32 else ((cols * row_bits + 7) // 8 + 8)
-    state = sum(4 if layout == "row" else 4 * cols for _, layout in STATE_LAYOUT[tbe.optimizer.kind])
+    state = sum(4 if layout == "row" else 4 * cols for _, layout in STATE_LAYOUT[optimizer_kind])
     return num_rows * (row + state)
 
 
-def count_modified(tbe: TableBatchedEmbeddingBags, piece: LocalPiece) -> int:
-    t = tbe._table(piece.local)
-    lo = tbe.table_row_offsets[t]
-    return int(tbe.modified_rows[lo : lo + tbe.table_rows[t]].sum())
-
-
-def save_pieces(tbe: Optional[TableBatchedEmbeddingBags], pieces: List[LocalPiece], incremental: bool,
-                row_bits: int, prefix: str) -> Tuple[Dict[str, torch.Tensor], List[dict]]:
-    """Tensors and manifest entries of this rank's pieces; with modified-row tracking on, clears
-    the marks of every piece (incremental: only the marked rows are written)."""
+def save_pieces(pieces: List[LocalPiece], incremental: bool, row_bits: int, prefix: str
+                ) -> Iterator[Tuple[Dict[str, torch.Tensor], List[dict]]]:
+    """Tensors and manifest entries of this rank's pieces, in groups that are written one file
+    each: the first group holds every piece held whole (it comes first even when empty), each
+    chunk of a chunked piece (``CachedPieces``) is a group of its own, made only when the previous
+    one was written. With modified-row tracking on, the marks of every piece are taken (cleared)
+    before the first group (incremental: only the marked rows are written)."""
+    taken = []
+    for index, piece in enumerate(pieces):
+        holder = piece.holder
+        if incremental and not holder.tracking:
+            raise ValueError("incremental checkpoint: the embedding tables do not track modified rows")
+        ids = holder.take_modified(piece) if holder.tracking else None
+        if piece.writes:
+            taken.append((index, piece, ids if incremental else None))
     tensors: Dict[str, torch.Tensor] = {}
     entries: List[dict] = []
-    if tbe is None:
-        return tensors, entries
-    if incremental and tbe.modified_rows is None:
-        raise ValueError("incremental checkpoint: the fused module does not track modified rows")
-    for index, piece in enumerate(pieces):
-        ids = tbe.take_modified_rows(piece.local) if tbe.modified_rows is not None else None
-        if not piece.writes:
+    for index, piece, ids in taken:
+        if not isinstance(piece.holder, CachedPieces):
+            _add_piece(tensors, entries, piece, f"{prefix}{index}", ids, row_bits, incremental)
+    yield tensors, entries
+    for index, piece, ids in taken:
+        if not isinstance(piece.holder, CachedPieces):
             continue
-        key = f"{prefix}{index}"
-        if incremental:  # gather the rows from views: no copy of the whole table
-            weight, state = _table_views(tbe, piece.local)
-            weight = weight.index_select(0, ids).to(torch.float32)
-            state = {k: v.index_select(0, ids) for k, v in state.items()}
-            tensors[f"{key}.ids"] = ids.cpu()
-        else:
-            weight, state = tbe.get_table_weight(piece.local), tbe.get_optimizer_state(piece.local)
-        if row_bits == 32:
-            tensors[f"{key}.w"] = weight
-        else:
-            try:
-                tensors[f"{key}.q"], tensors[f"{key}.scale"], tensors[f"{key}.min"] = quantize_rows(weight, row_bits)
-            except UnquantizableRowError as exc:
-                row = piece.row_start + (int(ids[exc.row]) if incremental else exc.row)
-                raise UnquantizableRowError(row, row_bits, piece.table) from None
-        for name, value in state.items():
-            tensors[f"{key}.s.{name}"] = value
-        entries.append({"table": piece.table, "key": key, "rows": [piece.row_start, piece.row_end],
-                        "cols": [piece.col_start, piece.col_end], "incremental": incremental,
-                        "row_bits": row_bits, "num_rows_written": int(weight.shape[0])})
-    return tensors, entries
+        holder, rows = piece.holder, piece.row_end - piece.row_start
+        context = holder.prepare(piece)
+        chunk = holder.chunk_rows_of(piece)
+        parts = (ids.split(chunk) if incremental else
+                 [torch.arange(lo, min(lo + chunk, rows)) for lo in range(0, rows, chunk)])
+        for k, part in enumerate(parts):
+            tensors, entries = {}, []
+            _add_piece(tensors, entries, piece, f"{prefix}{index}.{k}", part, row_bits, incremental, context)
+            yield tensors, entries
+
+
+def _add_piece(tensors: Dict[str, torch.Tensor], entries: List[dict], piece: LocalPiece, key: str,
+               ids: Optional[torch.Tensor], row_bits: int, incremental: bool, context=None) -> None:
+    """Add the rows ``ids`` of ``piece`` (ascending; None: all) under ``key``. The entry's row range
+    is the span of its rows (so that a restore looks at the entries overlapping each of its chunks
+    only); an incremental entry names its rows (``.ids``, relative to the range's first row), a
+    full one holds every row of its range."""
+    weight, state = piece.holder.read(piece, ids, context)
+    if ids is None:
+        rows = [piece.row_start, piece.row_end]
+    elif ids.numel() == 0:
+        rows = [piece.row_start, piece.row_start]
+    else:
+        first = int(ids[0])
+        rows = [piece.row_start + first, piece.row_start + int(ids[-1]) + 1]
+    if incremental:
+        tensors[f"{key}.ids"] = (ids - rows[0] + piece.row_start).cpu()
+    if row_bits == 32:
+        tensors[f"{key}.w"] = weight
+    else:
+        try:
+            tensors[f"{key}.q"], tensors[f"{key}.scale"], tensors[f"{key}.min"] = quantize_rows(weight, row_bits)
+        except UnquantizableRowError as exc:
+            row = piece.row_start + (exc.row if ids is None else int(ids[exc.row]))
+            raise UnquantizableRowError(row, row_bits, piece.table) from None
+    for name, value in state.items():
+        tensors[f"{key}.s.{name}"] = value
+    entries.append({"table": piece.table, "key": key, "rows": rows, "cols": [piece.col_start, piece.col_end],
+                    "incremental": incremental, "row_bits": row_bits, "num_rows_written": int(weight.shape[0])})
 
 
 def _table_views(tbe: TableBatchedEmbeddingBags, name: str) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -150,52 +326,59 @@ def _source_weight(entry: dict, tensors: Dict[str, torch.Tensor], positions: tor
                            tensors[f"{key}.min"][positions], entry["row_bits"], cols)
 
 
-def restore_pieces(tbe: Optional[TableBatchedEmbeddingBags], pieces: List[LocalPiece],
+def restore_pieces(pieces: List[LocalPiece],
                    chain: List[Tuple[List[dict], Callable[[dict], Dict[str, torch.Tensor]]]]) -> None:
-    """Fill every piece of ``tbe`` from ``chain``: [(entries of a checkpoint, entry -> its file's
-    tensors)], the full checkpoint first, then the increments in order."""
-    if tbe is None:
-        return
+    """Fill every piece from ``chain``: [(entries of a checkpoint, entry -> its file's tensors)],
+    the full checkpoint first, then the increments in order; a chunked piece (``CachedPieces``)
+    ``chunk_rows_of`` rows at a time."""
     for piece in pieces:
-        rows, cols = piece.row_end - piece.row_start, piece.col_end - piece.col_start
-        # merged on host copies: the saved tensors are host tensors, and CUDA refuses indexed writes
-        # of host values into device tensors (set_table_weight / set_optimizer_state copy back)
-        weight = tbe.get_table_weight(piece.local, device="cpu")
-        state = tbe.get_optimizer_state(piece.local, device="cpu")
-        covered = 0
-        for depth, (entries, tensors_of) in enumerate(chain):
-            row_state_sum = {k: torch.zeros(rows) for k, v in state.items() if v.dim() == 1}
-            row_state_weight = torch.zeros(rows)
-            for entry in entries:
-                if entry["table"] != piece.table:
-                    continue
-                c0, c1 = max(piece.col_start, entry["cols"][0]), min(piece.col_end, entry["cols"][1])
-                if c1 <= c0 or max(piece.row_start, entry["rows"][0]) >= min(piece.row_end, entry["rows"][1]):
-                    continue
-                tensors = tensors_of(entry)
-                positions, absolute = _source_rows(entry, tensors, piece.row_start, piece.row_end)
-                if positions.numel() == 0:
-                    continue
-                target = absolute - piece.row_start
-                src_cols = slice(c0 - entry["cols"][0], c1 - entry["cols"][0])
-                dst_cols = slice(c0 - piece.col_start, c1 - piece.col_start)
-                weight[target, dst_cols] = _source_weight(entry, tensors, positions)[:, src_cols]
-                if depth == 0:
-                    covered += target.numel() * (c1 - c0)
-                share = (c1 - c0) / cols
-                for name, value in state.items():
-                    saved = tensors[f"{entry['key']}.s.{name}"].index_select(0, positions)
-                    if value.dim() == 1:
-                        row_state_sum[name].index_add_(0, target, saved * share)
-                    else:
-                        value[target, dst_cols] = saved[:, src_cols]
-                row_state_weight.index_add_(0, target, torch.full((target.numel(),), share))
-            touched = row_state_weight > 0
-            for name, total in row_state_sum.items():
-                state[name][touched] = total[touched] / row_state_weight[touched]
-        if covered != rows * cols:
-            raise ValueError(f"checkpoint: the full checkpoint covers {covered} of the {rows * cols} elements of "
-                             f"table {piece.table!r} rows [{piece.row_start}, {piece.row_end}) columns "
-                             f"[{piece.col_start}, {piece.col_end}); it does not hold the whole table")
-        tbe.set_table_weight(piece.local, weight)
-        tbe.set_optimizer_state(piece.local, state)
+        holder = piece.holder
+        if not isinstance(holder, CachedPieces):
+            _restore_part(piece, chain, None)
+            continue
+        context, chunk = holder.prepare(piece), holder.chunk_rows_of(piece)
+        for lo in range(piece.row_start, piece.row_end, chunk):
+            part = LocalPiece(piece.table, piece.local, lo, min(lo + chunk, piece.row_end), piece.col_start,
+                              piece.col_end, piece.writes, holder)
+            _restore_part(part, chain, context)
+
+
+def _restore_part(piece: LocalPiece, chain, context) -> None:
+    rows, cols = piece.row_end - piece.row_start, piece.col_end - piece.col_start
+    weight, state = piece.holder.read(piece, None, context)  # host copies
+    covered = 0
+    for depth, (entries, tensors_of) in enumerate(chain):
+        row_state_sum = {k: torch.zeros(rows) for k, v in state.items() if v.dim() == 1}
+        row_state_weight = torch.zeros(rows)
+        for entry in entries:
+            if entry["table"] != piece.table:
+                continue
+            c0, c1 = max(piece.col_start, entry["cols"][0]), min(piece.col_end, entry["cols"][1])
+            if c1 <= c0 or max(piece.row_start, entry["rows"][0]) >= min(piece.row_end, entry["rows"][1]):
+                continue
+            tensors = tensors_of(entry)
+            positions, absolute = _source_rows(entry, tensors, piece.row_start, piece.row_end)
+            if positions.numel() == 0:
+                continue
+            target = absolute - piece.row_start
+            src_cols = slice(c0 - entry["cols"][0], c1 - entry["cols"][0])
+            dst_cols = slice(c0 - piece.col_start, c1 - piece.col_start)
+            weight[target, dst_cols] = _source_weight(entry, tensors, positions)[:, src_cols]
+            if depth == 0:
+                covered += target.numel() * (c1 - c0)
+            share = (c1 - c0) / cols
+            for name, value in state.items():
+                saved = tensors[f"{entry['key']}.s.{name}"].index_select(0, positions)
+                if value.dim() == 1:
+                    row_state_sum[name].index_add_(0, target, saved * share)
+                else:
+                    value[target, dst_cols] = saved[:, src_cols]
+            row_state_weight.index_add_(0, target, torch.full((target.numel(),), share))
+        touched = row_state_weight > 0
+        for name, total in row_state_sum.items():
+            state[name][touched] = total[touched] / row_state_weight[touched]
+    if covered != rows * cols:
+        raise ValueError(f"checkpoint: the full checkpoint covers {covered} of the {rows * cols} elements of "
+                         f"table {piece.table!r} rows [{piece.row_start}, {piece.row_end}) columns "
+                         f"[{piece.col_start}, {piece.col_end}); it does not hold the whole table")
+    piece.holder.write(piece, weight, state, context)

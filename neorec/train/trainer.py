@@ -35,7 +35,6 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collect
 from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
-from neorec.train.checkpoint_tables import OFF_DEVICE_CHECKPOINTS
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_main, local_loss, no_cuda_message,
                                       split_batch, threads_per_rank)
 from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
@@ -243,9 +242,6 @@ class Trainer:
                                 else "embedding.location.ssd_dir (by default <train.output_dir>/embedding_ssd)")
         if distributed is not None and off_device:
             raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
-        if (cfg.checkpoint.dir or resume is not None) and off_device:
-            # refused before build_model, which replaces the SSD stores: their rows are the only copy
-            raise ValueError(OFF_DEVICE_CHECKPOINTS)
         self.model = build_model(cfg, self.source, self.device)
         self.plan = None
         if cfg.train.profile and distributed is not None and comm_stats is None:

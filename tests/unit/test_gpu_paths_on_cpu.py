@@ -30,7 +30,7 @@ from neorec.embedding.locations import TableLocation  # noqa: E402
 from neorec.embedding.precision import Rounder  # noqa: E402
 from neorec.embedding.tbe import TableBatchedEmbeddingBags  # noqa: E402
 from neorec.sharding.output_dist import addition_layers  # noqa: E402
-from neorec.train.checkpoint_tables import LocalPiece, restore_pieces, save_pieces  # noqa: E402
+from neorec.train.checkpoint_tables import FusedPieces, LocalPiece, restore_pieces, save_pieces  # noqa: E402
 from neorec.train.distributed import rank_gpu  # noqa: E402
 from neorec.train.timeline import StepTimeline, step_clock  # noqa: E402
 from neorec.train.trainer import Trainer  # noqa: E402
@@ -61,13 +61,16 @@ def test_a_resume_merges_the_saved_rows_on_host_copies(kind):
     for table in TABLES:  # some optimizer state that is not the initial one
         state = source.get_optimizer_state(table.name)
         source.set_optimizer_state(table.name, {k: torch.rand_like(v) for k, v in state.items()})
-    pieces = [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, True) for t in TABLES]
-    tensors, entries = save_pieces(source, pieces, False, 32, "p")
+    def pieces_of(module):
+        holder = FusedPieces(lambda: module)
+        return [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, True, holder) for t in TABLES]
+
+    (tensors, entries), = save_pieces(pieces_of(source), False, 32, "p")
     tensors = {k: v.clone() for k, v in tensors.items()}  # as load_tensors gives them: host tensors
     target = TableBatchedEmbeddingBags(TABLES, optimizer, init_seed=9)
     with DeviceMixCheck() as check:
         check.mark(*target.buffers())  # on a GPU run these live on the device
-        restore_pieces(target, pieces, [(entries, lambda entry: tensors)])
+        restore_pieces(pieces_of(target), [(entries, lambda entry: tensors)])
     assert check.violations == []
     for table in TABLES:
         assert torch.equal(target.get_table_weight(table.name), source.get_table_weight(table.name))

@@ -168,6 +168,39 @@ def test_overfull_set_uses_transient_slots():
     assert cache.store.read_rows(torch.tensor([moved]))[0, 0].item() == moved + 1
 
 
+def test_read_and_write_see_rows_where_they_are_and_change_no_cache_state():
+    """What checkpoints use: ``read`` takes a resident row from its slot (a dirty or transient one
+    too: the latest values) and the others from the store; ``write`` sets both, and the slot it
+    wrote becomes dirty so that its exact values reach the store."""
+    cache = make_cache(num_rows=1000, num_slots=8, ways=2)
+    ids = torch.arange(1000)
+    same_set = ids[cache._home_sets(ids) == 0][:3]  # one of them lands in a transient slot
+    slots = cache.lookup(same_set, update=True)
+    cache.weights[slots] += 0.5  # the batch's update, not written back yet
+    cache.state["momentum1"][slots] = 3.0
+    before = {k: getattr(cache, k).clone() for k in ("slot_rows", "dirty", "last_use", "counts", "pinned_until")}
+    stats = cache.stats.as_dict()
+    wanted = torch.cat([same_set, torch.tensor([5, 999])]).flip(0)  # any order; two rows not resident
+    rows, state = cache.read(wanted, cache.resident())
+    expected = wanted.float() + torch.isin(wanted, same_set).float() * 0.5
+    assert torch.equal(rows[:, 0], expected) and torch.equal(rows[:, 1], expected)
+    assert torch.equal(state["momentum1"], torch.where(torch.isin(wanted, same_set), 3.0, -wanted.float()))
+    assert all(torch.equal(getattr(cache, k), v) for k, v in before.items()) and cache.stats.as_dict() == stats
+    cache.lookup(torch.tensor([], dtype=torch.int64), update=False)  # the update is done: the transient row
+    cache.flush()  # goes back to the store, its slot emptied; every slot clean
+    values = torch.arange(10.0).view(5, 2).repeat_interleave(DIM // 2, dim=1)
+    cache.write(wanted, values, {"momentum1": -torch.arange(5.0)})
+    again, state = cache.read(wanted)
+    assert torch.equal(again, values) and torch.equal(state["momentum1"], -torch.arange(5.0))
+    stored, stored_state = cache.store.read(wanted)
+    assert torch.equal(stored, values) and torch.equal(stored_state["momentum1"], -torch.arange(5.0))
+    written = torch.isin(cache.slot_rows, wanted)
+    assert int(written.sum()) == 2  # the rows of the home set's two ways
+    slot_values = {int(r): cache.weights[i, 0].item() for i, r in zip(written.nonzero()[:, 0], cache.slot_rows[written])}
+    assert slot_values == {int(r): v[0].item() for r, v in zip(wanted, values) if int(r) in slot_values}
+    assert bool(cache.dirty[written].all()) and not bool(cache.dirty[~written].any())
+
+
 def test_too_many_rows_for_the_cache_changes_nothing():
     cache = make_cache(num_slots=4, ways=2)
     cache.lookup(torch.tensor([1, 2]))

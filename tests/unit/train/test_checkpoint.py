@@ -469,26 +469,6 @@ def test_checkpoints_are_taken_when_min_rows_keeps_every_table_on_the_device(tmp
     verify_checkpoint(tmp_path / "ckpt" / "step-000000003")
 
 
-def test_checkpoints_of_cached_tables_are_refused_before_their_ssd_stores_are_touched(tmp_path):
-    """Checkpoints do not cover cached tables yet, so their SSD stores hold the only copy of the
-    trained rows: a run asking for checkpoints (or --resume) is refused before it builds the model,
-    which would replace those stores with fresh rows."""
-    cached = ["embedding.location.default='cached_ssd'", "embedding.location.min_rows=100",
-              f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'"]
-    first = make_trainer(tmp_path, *cached, "train.max_steps=3")
-    first.fit()
-    for cache in first.model.sparse_arch.caches.values():
-        cache.close()
-    stores = sorted((tmp_path / "ssd").glob("*/rows.bin"))
-    assert stores
-    trained = [p.read_bytes() for p in stores]
-    (tmp_path / "other").mkdir()
-    for extra, resume in (([f"checkpoint.dir='{tmp_path / 'ckpt'}'"], None), ([], str(tmp_path / "other"))):
-        with pytest.raises(ValueError, match="checkpoints of cached / off-device embedding tables"):
-            make_trainer(tmp_path, *cached, *extra, resume=resume)
-        assert [p.read_bytes() for p in stores] == trained
-
-
 def test_a_resume_with_other_optimizer_settings_uses_them_and_says_so(tmp_path):
     """The dense optimizer took the checkpoint's learning rate, eps and weight decay over the
     config's (the sparse one follows the config), silently."""
