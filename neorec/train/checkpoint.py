@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -448,17 +449,12 @@ class Checkpointer:
                              f"trained with global batches of {manifest['global_batch_size']}; that is not a whole "
                              f"number of the new global batches of {global_batch} (data.batch_size x ranks){hint}")
         chain = []
-        cache: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
+        files = MappedFiles()
         for name, directory, part in _chain_parts(path, manifest):
             entries = [dict(e, file=f, checkpoint=str(directory)) for f, es in part["pieces"].items() for e in es]
-
-            def tensors_of(entry: dict) -> Dict[str, torch.Tensor]:
-                key = (entry["checkpoint"], entry["file"])
-                if key not in cache:
-                    cache[key] = load_tensors(Path(key[0]) / key[1])
-                return cache[key]
-            chain.append((entries, tensors_of))
+            chain.append((entries, lambda entry: files.tensors(Path(entry["checkpoint"]) / entry["file"])))
         restore_pieces(self.pieces, chain)
+        files.close()
         same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
             trainer.plan.to_dict() if trainer.plan is not None else None)
         for name, module in fused_modules(self.sparse_arch):
@@ -487,6 +483,36 @@ class Checkpointer:
         self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "
                   f"batch {batch} of the epoch)")
         return Position(trainer.step, int(manifest["epoch"]), batch)
+
+
+MAPPED_BYTES = 256 << 20  # of checkpoint files mapped at once by a restore (MappedFiles)
+
+
+class MappedFiles:
+    """The tensor files a restore reads (``load_tensors``: memory-mapped), at most ``budget`` bytes
+    of them mapped at once, the least recently used unmapped first. Their mappings are private:
+    they count toward the process's data size (``RLIMIT_DATA``, VmData), so a restore of a table
+    larger than memory, saved in chunk files, must not keep every file mapped. A file is mapped
+    again when needed again (a read of its zip index, not of its data)."""
+
+    def __init__(self, budget: Optional[int] = None) -> None:
+        self.budget = MAPPED_BYTES if budget is None else budget
+        self.mapped: "OrderedDict[Path, Tuple[int, Dict[str, torch.Tensor]]]" = OrderedDict()
+        self.loads = 0
+
+    def tensors(self, path: Path) -> Dict[str, torch.Tensor]:
+        if path in self.mapped:
+            self.mapped.move_to_end(path)
+            return self.mapped[path][1]
+        size = path.stat().st_size
+        while self.mapped and sum(s for s, _ in self.mapped.values()) + size > self.budget:
+            self.mapped.popitem(last=False)
+        self.mapped[path] = (size, load_tensors(path))
+        self.loads += 1
+        return self.mapped[path][1]
+
+    def close(self) -> None:
+        self.mapped.clear()
 
 
 def _rng_key(module: str, generator: str) -> str:
