@@ -262,12 +262,17 @@ def big_ssd_child(args) -> Dict:
     steps = sum(len(r) for r in rates.values()) * chunk
     out["samples_per_s"] = {mode: statistics.median(r) for mode, r in rates.items()}
     out["all_samples_per_s"] = rates
+    before = collection.cache_stats()["t_feature_0"]
     out["checkpoint"] = _big_checkpoint(args, trainer, collection)
+    after = collection.cache_stats()["t_feature_0"]
+    moved = {k: after[k] - before[k] for k in ("store_bytes_read", "store_bytes_written")}
+    out["checkpoint"].update(moved)  # the store I/O of the save and the restore, not counted below
     collection.flush()
     stats = collection.cache_stats()["t_feature_0"]
     out.update(steps=steps, cache_rows=collection.caches["t_feature_0"].num_slots, hit_rate=stats["hit_rate"],
                evictions=stats["evictions"], write_backs=stats["write_backs"],
-               store_bytes_read=stats["store_bytes_read"], store_bytes_written=stats["store_bytes_written"],
+               store_bytes_read=stats["store_bytes_read"] - moved["store_bytes_read"],
+               store_bytes_written=stats["store_bytes_written"] - moved["store_bytes_written"],
                page_releases=collection.caches["t_feature_0"].store.releases, memory_end=_memory())
     collection.close()
     return out
@@ -343,7 +348,8 @@ def section_big_ssd(args, workdir: str) -> Dict:
           f"{ck['bytes'] / gib:.2f} GiB in {ck['files']} files, peak RSS {ck['memory_after_save']['VmHWM'] / gib:.2f} "
           f"GiB{peak}; restored into the stores in {ck['restore_seconds']:.1f} s, peak RSS "
           f"{ck['memory_after_restore']['VmHWM'] / gib:.2f} GiB; {ck['sampled_rows']:,} sampled rows max |error| "
-          f"{ck['sampled_max_abs_error']:.3g}")
+          f"{ck['sampled_max_abs_error']:.3g}; store read {ck['store_bytes_read'] / gib:.2f} GiB, written "
+          f"{ck['store_bytes_written'] / gib:.2f} GiB")
     for when in ("memory_after_create", "memory_end"):
         m = out[when]
         print(f"{when}: peak RSS {m['VmHWM'] / gib:.2f} GiB, RSS {m['VmRSS'] / gib:.2f} GiB "
