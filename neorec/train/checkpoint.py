@@ -24,10 +24,11 @@ newest complete one (a newer torn or corrupt one is reported and skipped); resto
 named ``step-<N>`` takes that one or stops.
 
 Incremental (``checkpoint.incremental``): the fused modules mark the rows every optimizer step
-updates (a cached table's rows are marked when a training step looks them up); an incremental checkpoint writes only the rows marked since the previous checkpoint
-(plus all dense state); its chain is the last full checkpoint, then every increment since. A full
-checkpoint is taken instead when the increments since the last full one would exceed
-``full_when_fraction_exceeds`` of a full one's embedding bytes.
+updates (a cached table's rows are marked when a training step looks them up); an incremental
+checkpoint writes only the rows marked since the previous checkpoint (plus all dense state); its
+chain is the last full checkpoint, then every increment since. A full checkpoint is taken instead
+when the increments since the last full one would exceed ``full_when_fraction_exceeds`` of a full
+one's embedding bytes.
 
 Data position: (epoch, global batches done in the epoch); the sources are deterministic per
 (epoch, batch), so a resumed run skips exactly the batches already trained.

@@ -89,6 +89,11 @@ class PieceHolder:
         """Overwrite every row of the piece."""
         raise NotImplementedError
 
+    def restore_target(self, piece: LocalPiece, context=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Host tensors a restore fills: the piece's current values (the full checkpoint must cover
+        every one of them before anything is written back)."""
+        return self.read(piece, None, context)
+
 
 class FusedPieces(PieceHolder):
     """Pieces held whole in a fused module; ``module()`` is the current one (a cached collection
@@ -174,6 +179,13 @@ class CachedPieces(PieceHolder):
 
     def write(self, piece, weight, state, context=None):
         self.collection.write_rows(piece.local, torch.arange(piece.row_start, piece.row_end), weight, state, context)
+
+    def restore_target(self, piece, context=None):
+        """Empty tensors, not the rows in the store: the full checkpoint covers every row before
+        anything is written back (a table on SSD would be read whole for nothing)."""
+        rows, cols = piece.row_end - piece.row_start, piece.col_end - piece.col_start
+        return torch.empty(rows, cols), {name: torch.empty(rows) if layout == "row" else torch.empty(rows, cols)
+                                         for name, layout in STATE_LAYOUT[self.optimizer_kind]}
 
 
 def model_pieces(sparse_arch, rank: int) -> List[LocalPiece]:
@@ -345,7 +357,7 @@ def restore_pieces(pieces: List[LocalPiece],
 
 def _restore_part(piece: LocalPiece, chain, context) -> None:
     rows, cols = piece.row_end - piece.row_start, piece.col_end - piece.col_start
-    weight, state = piece.holder.read(piece, None, context)  # host copies
+    weight, state = piece.holder.restore_target(piece, context)  # host tensors
     covered = 0
     for depth, (entries, tensors_of) in enumerate(chain):
         row_state_sum = {k: torch.zeros(rows) for k, v in state.items() if v.dim() == 1}
