@@ -10,7 +10,7 @@ One checkpoint = ``<dir>/step-<N>/``:
     rank<r>.pt    this rank's embedding pieces (``checkpoint_tables.py``) and its stochastic-rounding
                   generator state; flat dict of tensors (``torch.load(weights_only=True)``)
     rank<r>-<k>.pt  the rows of this rank's cached tables (``embedding.location``), one file per
-                  chunk of rows (about 16 MiB), so that no table is ever held whole in memory
+                  chunk of rows (about 8 MiB), so that no table is ever held whole in memory
     rank<r>.json  this rank's files, their sizes, checksums and pieces (read by rank 0)
     dense.pt      (rank 0) dense weights, dense optimizer tensors, the torch CPU generator state
     manifest.json (rank 0, written LAST, atomically) step, data position, tables, plan, config,

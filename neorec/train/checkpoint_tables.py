@@ -36,7 +36,7 @@ from neorec.embedding.optimizers import STATE_LAYOUT
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.train.checkpoint_files import UnquantizableRowError, dequantize_rows, quantize_rows
 
-CHUNK_BYTES = 16 << 20  # a cached table's rows are saved and restored this many bytes at a time
+CHUNK_BYTES = 8 << 20  # a cached table's rows are saved and restored this many bytes at a time
 
 
 @dataclass

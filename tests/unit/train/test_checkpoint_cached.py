@@ -128,7 +128,7 @@ def test_incremental_checkpoints_of_cached_tables_hold_the_rows_trained_since(tm
         manifest = verify_checkpoint(tmp_path / "ckpt" / name)
         entries = [e for es in manifest["pieces"].values() for e in es]
         for table in ("t_feature_1", "t_feature_2"):
-            (entry,) = [e for e in entries if e["table"] == table]  # one chunk: 16 MiB of rows
+            (entry,) = [e for e in entries if e["table"] == table]  # one chunk: 8 MiB of rows
             trained = set().union(*seen[table][step - 3 : step])
             assert entry["num_rows_written"] == len(trained) < {"t_feature_1": 200, "t_feature_2": 400}[table]
             assert entry["rows"] == [min(trained), max(trained) + 1]  # the span of its rows
