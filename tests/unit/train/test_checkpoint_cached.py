@@ -49,10 +49,14 @@ def snapshot(trainer):
     return out
 
 
-@pytest.mark.parametrize("kind,optimizer", [("cached_ssd", "rowwise_adagrad"), ("cached_dram", "adam"),
-                                            ("cached_ssd", "sgd"), ("dram", "adagrad")])
-def test_resume_of_tables_off_the_device_equals_uninterrupted_training(tmp_path, kind, optimizer):
-    settings = [*located(tmp_path, kind), f"embedding.optimizer.kind='{optimizer}'"]
+@pytest.mark.parametrize("kind,optimizer,prefetch", [("cached_ssd", "rowwise_adagrad", False),
+                                                     ("cached_dram", "adam", False), ("cached_ssd", "sgd", True),
+                                                     ("dram", "adagrad", False)])
+def test_resume_of_tables_off_the_device_equals_uninterrupted_training(tmp_path, kind, optimizer, prefetch):
+    """(prefetch: the next batch's rows load in a worker thread while a step trains and a
+    checkpoint is saved.)"""
+    settings = [*located(tmp_path, kind), f"embedding.optimizer.kind='{optimizer}'",
+                f"embedding.location.prefetch={str(prefetch).lower()}"]
     reference = make_trainer(tmp_path, *settings, "train.max_steps=12", name="ref")
     reference.fit()
     first = make_trainer(tmp_path, *settings, "train.max_steps=5", *checkpoint_args(tmp_path, 5))
@@ -74,7 +78,8 @@ def test_a_checkpoint_is_taken_with_dirty_rows_in_the_cache_and_leaves_training_
     settings = located(tmp_path, "cached_ssd")
     reference = make_trainer(tmp_path, *settings, "train.max_steps=6", name="ref")
     reference.fit()
-    saving = make_trainer(tmp_path, *settings, "train.max_steps=6", *checkpoint_args(tmp_path, 1, "checkpoint.keep_last=6"))
+    saving = make_trainer(tmp_path, *settings, "train.max_steps=6",
+                          *checkpoint_args(tmp_path, 1, "checkpoint.keep_last=6"))
     writes = []
     caches = saving.model.sparse_arch.caches
     original = saving.checkpointer.save
