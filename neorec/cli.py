@@ -246,14 +246,15 @@ def _resume_hint(trainer) -> str:
 
 def _check_before_launch(cfg, args: argparse.Namespace) -> None:
     """What every rank would refuse alike, said once by the launcher: missing data files, a
-    missing --resume, tables the config places off the device (single-process only)."""
-    from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
+    missing --resume, prefetch of cached rows (single-process only)."""
+    from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
 
     cfg.data.check_inputs_exist()
     if args.resume and not Path(args.resume).exists():
         raise ValueError(f"--resume: {args.resume} does not exist")
-    if any(cfg.embedding.location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
-        raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
+    location = cfg.embedding.location
+    if location.prefetch and any(location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
+        raise ValueError(PREFETCH_SINGLE_PROCESS)
     check_gpus_for_ranks(cfg.train.device, args.nproc)
 
 

@@ -466,18 +466,19 @@ class SetAssociativeCache:
                 state[name][positions] = value.index_select(0, slots).cpu()
         return rows, state
 
-    def write(self, ids: torch.Tensor, rows: torch.Tensor, state: Mapping[str, torch.Tensor],
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, state: Optional[Mapping[str, torch.Tensor]] = None,
               resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-        """Set the distinct host ids [n] to ``rows`` [n, dim] / ``state`` (every field): in the
-        store (rounded to its precision) and, for resident rows, in their slot too, which becomes
-        dirty (its exact values reach the store when it is written back). Access counts stay."""
+        """Set the distinct host ids [n] to ``rows`` [n, dim] and ``state`` (every field; None:
+        the state stays): in the store (rounded to its precision) and, for resident rows, in their
+        slot too, which becomes dirty (its exact values reach the store when it is written back).
+        Access counts stay."""
         self.wait()
         ids = ids.to("cpu", torch.int64)
         self.store.write(ids, rows, state)
         positions, slots = self._resident_slots(ids, resident)
         if positions.numel():
             self.weights.index_copy_(0, slots, rows.index_select(0, positions).to(self.device))
-            for name, value in self.state.items():
+            for name, value in (self.state.items() if state is not None else ()):
                 value.index_copy_(0, slots, state[name].index_select(0, positions).to(self.device))
             self.dirty[slots] = True
 

@@ -113,6 +113,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             when ``device`` is not the CPU). Tests set it on a CPU run to check that path.
         cache_kernel: the caches' lookup/victim implementation, "auto" (Triton on CUDA when
             installed), "torch" or "triton" (see ``cache_kernels.py``).
+        tbe_options: more keyword arguments of the fused module (``ShardedEmbeddingBagCollection``
+            passes its data-parallel replicas' ``dense_gradient_tables`` and ``gradient_reducer``;
+            those tables must stay on the device).
 
     Attributes: ``tables``, ``feature_names``, ``embedding_dims``, ``tbe`` (device tables and cache
     slots), ``host_tbe`` (or None), ``caches`` {table: SetAssociativeCache}, ``locations``.
@@ -121,7 +124,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizerConfig = SparseOptimizerConfig(),
                  storage: StorageConfig = StorageConfig(), locations: Optional[Mapping[str, TableLocation]] = None,
                  device: Optional[torch.device | str] = None, init_seed: int = 0,
-                 separate_host_tables: Optional[bool] = None, cache_kernel: str = "auto") -> None:
+                 separate_host_tables: Optional[bool] = None, cache_kernel: str = "auto",
+                 tbe_options: Optional[Mapping[str, object]] = None) -> None:
         super().__init__()
         self.tables: List[TableConfig] = validate_tables(tables)
         names = [t.name for t in self.tables]
@@ -144,6 +148,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         host = [t for t in self.tables if self.locations[t.name].kind == "dram" and separate]
         shapes = {t.name: self.locations[t.name].cache_shape(t.num_embeddings) for t in cached}
         self._host_tables, self._storage, self._device, self._init_seed = host, storage, device, init_seed
+        self._tbe_options = dict(tbe_options or {})
         self.tbe = self._make_tbe(shapes, optimizer)
         self.host_tbe = (TableBatchedEmbeddingBags(host, optimizer, storage, device="cpu", init_seed=init_seed)
                          if host else None)
@@ -175,7 +180,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         """The fused module: device tables in full, cached tables as ``shapes[name][0]`` slots."""
         main = [TableConfig(t.name, shapes[t.name][0], t.embedding_dim, list(t.feature_names), t.pooling)
                 if t.name in shapes else t for t in self.tables if t not in self._host_tables]
-        return TableBatchedEmbeddingBags(main, optimizer, self._storage, device=self._device, init_seed=self._init_seed)
+        return TableBatchedEmbeddingBags(main, optimizer, self._storage, device=self._device, init_seed=self._init_seed,
+                                         **self._tbe_options)
 
     @torch.no_grad()
     def _grow_cache(self, name: str, needed: int) -> None:
@@ -555,11 +561,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self._cache_of(name).read(ids, resident)
 
     @torch.no_grad()
-    def write_rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor, state: Mapping[str, torch.Tensor],
+    def write_rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor,
+                   state: Optional[Mapping[str, torch.Tensor]] = None,
                    resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Set the distinct rows ``ids`` of cached table ``name`` (and their optimizer state, every
-        field): in its store, rounded to the store's precision, and in their slot when resident
-        (``SetAssociativeCache.write``). Between steps only."""
+        field; None: it stays): in its store, rounded to the store's precision, and in their slot
+        when resident (``SetAssociativeCache.write``). Between steps only."""
         if self._pending_update:
             raise RuntimeError("write_rows between a forward and its backward; write rows between steps")
         self._cache_of(name).write(ids, rows, state, resident)

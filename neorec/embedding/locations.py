@@ -54,9 +54,9 @@ def _check_common(key: Callable[[str], str], kind: str, cache_rows: int, cache_f
         raise ValueError(f"{key('resident_budget_mb')} must be > 0, got {resident_budget_mb}")
 
 
-OFF_DEVICE_SINGLE_PROCESS = ("embedding.location: tables off the device (cached or DRAM) are single-process only so "
-                             "far: train without --nproc / torchrun, or keep every table on the device "
-                             "(embedding.location.default = 'device' and no embedding.location.tables)")
+PREFETCH_SINGLE_PROCESS = ("embedding.location.prefetch = true needs a single-process run: a rank of a sharded run "
+                           "learns which rows of its pieces the next batch needs only from that batch's id exchange; "
+                           "set embedding.location.prefetch = false with --nproc / torchrun")
 
 
 @dataclass
@@ -121,8 +121,9 @@ class LocationConfig:
     default: location of every table with at least ``min_rows`` rows (smaller ones stay on the
         device); ``tables`` maps table names to a location and overrides both.
     The cache and store options are those of ``TableLocation`` and apply to every cached table.
-    ssd_dir: directory of the SSD stores (one sub-directory per table); "" = the trainer's
-        ``<train.output_dir>/embedding_ssd``. Existing stores there are replaced.
+    ssd_dir: directory of the SSD stores (one sub-directory per table; per piece ``<table>@<index>``
+        in a sharded run); "" = the trainer's ``<train.output_dir>/embedding_ssd``. Existing stores
+        there are replaced.
     prefetch: the trainer names the next batch to the cached collection before each step, so its
         rows load during the step (in a worker thread with ``background_prefetch``). Off by
         default: on a CPU run it did not pay for itself (benchmarks/RESULTS.md, "Embedding cache").

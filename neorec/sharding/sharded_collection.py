@@ -19,10 +19,18 @@ batch.
 Row-wise AdaGrad on column pieces: its per-row statistic is the mean of g^2 over the piece's
 columns, not over the full row, so COLUMN_WISE / TABLE_COLUMN_WISE tables with row-wise AdaGrad
 train like a model whose table is cut into per-piece tables (exact for the other optimizers).
+
+Tables off the device (``locations``: cached in front of a DRAM or SSD store, or "dram"): each
+rank's pieces of such a table become tables of a ``CachedEmbeddingBagCollection`` (``cached``),
+which holds this rank's device pieces and replicas in its fused module too, so one fused call
+still looks up everything; each piece gets its own cache (``cache_fraction`` of the piece's rows,
+or ``cache_rows`` each) and store (``<path>@<shard index>`` for SSD). Data-parallel tables stay on
+the device (each rank would hold a whole replica in its store).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -30,7 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from neorec.devices import concrete_device
+from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.locations import TableLocation
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
 from neorec.sharding.input_dist import LocalBatch, input_dist
@@ -56,10 +66,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         comm_stats: counts the bytes this rank hands to each collective (optional).
         comm: codecs of the pooled-embedding all-to-all, forward and backward (``qcomm.py``;
             default fp32 both ways).
+        locations: {table name: TableLocation} of tables off the device (see the module doc);
+            tables not named stay on the device.
 
     Attributes:
         feature_names / embedding_dims: output keys and widths (as ``EmbeddingBagCollection``).
         tbe: this rank's fused module (None when it holds no piece and no replica).
+        cached: this rank's ``CachedEmbeddingBagCollection`` when it holds a piece off the device
+            (its fused module is ``tbe``), else None.
         routing: the static plan routing (``routing.py``).
     """
 
@@ -74,6 +88,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         init_seed: int = 0,
         comm_stats: Optional[CommStats] = None,
         comm: Optional[CommConfig] = None,
+        locations: Optional[Dict[str, TableLocation]] = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -92,16 +107,47 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.comm = comm if comm is not None else CommConfig()
         self.device = concrete_device(device)  # inputs are checked against it: "cuda" must say "cuda:0"
         local_tables = self.routing.local_tables(self.rank)
-        self.tbe: Optional[TableBatchedEmbeddingBags] = None
-        if local_tables:
-            self.tbe = TableBatchedEmbeddingBags(
-                local_tables, optimizer, storage, device=self.device, init_seed=init_seed,
-                dense_gradient_tables=[t.name for t in self.routing.replicas],
-                gradient_reducer=all_reduce_sum_reducer(process_group, comm_stats),
-            )
+        local_locations = self._local_locations(locations or {})
+        options = dict(dense_gradient_tables=[t.name for t in self.routing.replicas],
+                       gradient_reducer=all_reduce_sum_reducer(process_group, comm_stats))
+        fused, cached = None, None
+        if local_tables and local_locations:
+            cached = CachedEmbeddingBagCollection(local_tables, optimizer, storage, locations=local_locations,
+                                                  device=self.device, init_seed=init_seed, tbe_options=options)
+        elif local_tables:
+            fused = TableBatchedEmbeddingBags(local_tables, optimizer, storage, device=self.device,
+                                              init_seed=init_seed, **options)
+        self._modules["tbe"] = fused  # read through the ``tbe`` property (add_module refuses its name)
+        self._modules["cached"] = cached
         self._placement = OutputPlacement(self.routing, self.device)
         self._launched = None  # (values, lengths, awaitable) of an id exchange launched ahead
         self.timeline = None  # a StepTimeline while profiling (neorec/train/timeline.py)
+
+    @property
+    def tbe(self) -> Optional[TableBatchedEmbeddingBags]:  # type: ignore[override]
+        """This rank's fused module: its own, or its cached collection's (rebuilt when a cache grows)."""
+        cached = self._modules.get("cached")
+        return cached.tbe if cached is not None else self._modules.get("tbe")
+
+    def _local_locations(self, locations: Dict[str, TableLocation]) -> Dict[str, TableLocation]:
+        """{shard table name: its location} of this rank's pieces of tables off the device."""
+        off = {name: location for name, location in locations.items() if location.kind != "device"}
+        unknown = sorted(set(off) - {t.name for t in self.tables})
+        if unknown:
+            raise ValueError(f"locations name {unknown}, which are not tables; tables are {[t.name for t in self.tables]}")
+        replicated = sorted(t.name for t in self.routing.replicas if t.name in off)
+        if replicated:
+            raise ValueError(f"tables {replicated} are data-parallel in the plan and placed off the device "
+                             f"({', '.join(off[n].kind for n in replicated)}): every rank would hold a whole replica "
+                             f"in a store of its own; keep them on the device (embedding.location.tables) or shard "
+                             f"them another way")
+        out = {}
+        for piece in self.routing.shards_on[self.rank]:
+            location = off.get(piece.table.name)
+            if location is not None:
+                path = f"{location.path}{piece.config.name[len(piece.table.name):]}" if location.path else ""
+                out[piece.config.name] = dataclasses.replace(location, path=path)
+        return out
 
     # ------------------------------------------------------------------------------ info
     def embedding_dim_per_feature(self) -> Dict[str, int]:
@@ -121,6 +167,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def compute(self, local: LocalBatch) -> torch.Tensor:
         """One fused lookup of all local pieces and replicas:
         [sum(batch_sizes), dims_on[rank] + replica_dim] fp32."""
+        if self.cached is not None:
+            return self.cached(local.features).values
         if self.tbe is None:
             return torch.zeros(sum(local.batch_sizes), 0, device=self.device)
         return self.tbe(local.features).values
@@ -196,7 +244,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for piece in self.routing.shards_on[self.rank]:
             if piece.table.name == name:
                 s = piece.shard
-                self.tbe.set_table_weight(piece.config.name, weight[s.row_start : s.row_end, s.col_start : s.col_end])
+                part = weight[s.row_start : s.row_end, s.col_start : s.col_end]
+                if self.cached is not None and piece.config.name in self.cached.caches:
+                    for lo in range(0, s.num_rows, 1 << 16):  # into its store (and any resident slot)
+                        rows = torch.arange(lo, min(lo + (1 << 16), s.num_rows))
+                        self.cached.write_rows(piece.config.name, rows, part[lo : lo + rows.numel()].cpu())
+                elif self.cached is not None:
+                    self.cached._module_of(piece.config.name).set_table_weight(piece.config.name, part)
+                else:
+                    self.tbe.set_table_weight(piece.config.name, part)
         if self.plan.tables[name].sharding_type == ShardingType.DATA_PARALLEL:
             self.tbe.set_table_weight(name, weight)
 
@@ -209,7 +265,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for piece in self.routing.shards_on[self.rank]:
             if piece.table.name == name:
                 s = piece.shard
-                full[s.row_start : s.row_end, s.col_start : s.col_end] = self.tbe.get_table_weight(piece.config.name)
+                full[s.row_start : s.row_end, s.col_start : s.col_end] = (
+                    self.cached.table_weight(piece.config.name).to(self.device) if self.cached is not None
+                    else self.tbe.get_table_weight(piece.config.name))
         if self.plan.tables[name].sharding_type == ShardingType.DATA_PARALLEL and self.rank == 0:
             full.copy_(self.tbe.get_table_weight(name))
         if self.world_size > 1:

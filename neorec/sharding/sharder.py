@@ -11,11 +11,12 @@ collection that has taken optimizer steps is refused, its optimizer state would 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch.distributed as dist
 from torch import nn
 
+from neorec.embedding.locations import TableLocation
 from neorec.embedding.tables import EmbeddingBagCollection
 from neorec.sharding.comm import CommStats
 from neorec.sharding.plan import ShardingPlan
@@ -26,9 +27,12 @@ from neorec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
                      process_group: Optional[dist.ProcessGroup],
                      comm_stats: Optional[CommStats] = None,
-                     comm: Optional[CommConfig] = None) -> ShardedEmbeddingBagCollection:
+                     comm: Optional[CommConfig] = None,
+                     locations: Optional[Dict[str, TableLocation]] = None) -> ShardedEmbeddingBagCollection:
     """A ``ShardedEmbeddingBagCollection`` with ``collection``'s tables, optimizer, storage and
-    weights; ``comm``: codecs of its pooled-embedding exchange (``qcomm.py``)."""
+    weights; ``comm``: codecs of its pooled-embedding exchange (``qcomm.py``); ``locations``: tables
+    off the device (each rank's pieces of them go to stores behind caches, initialised from
+    ``collection``'s weights)."""
     if not isinstance(collection, EmbeddingBagCollection):
         raise TypeError(f"shard: expected an EmbeddingBagCollection, got {type(collection).__name__}")
     tbe = collection.tbe
@@ -37,7 +41,7 @@ def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
                          f"model (optimizer state is not carried over)")
     sharded = ShardedEmbeddingBagCollection(
         collection.tables, plan, process_group, optimizer=tbe.optimizer, storage=tbe.storage,
-        device=tbe.weights.device, comm_stats=comm_stats, comm=comm,
+        device=tbe.weights.device, comm_stats=comm_stats, comm=comm, locations=locations,
     )
     for table in collection.tables:
         sharded.load_table_weight(table.name, tbe.get_table_weight(table.name))
@@ -45,11 +49,12 @@ def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
 
 
 def shard(model: nn.Module, plan: ShardingPlan, process_group: Optional[dist.ProcessGroup],
-          comm_stats: Optional[CommStats] = None, comm: Optional[CommConfig] = None) -> nn.Module:
+          comm_stats: Optional[CommStats] = None, comm: Optional[CommConfig] = None,
+          locations: Optional[Dict[str, TableLocation]] = None) -> nn.Module:
     """Replace ``model.sparse_arch`` (an EmbeddingBagCollection) by its sharded version, in place;
     returns ``model``."""
     collection = getattr(model, "sparse_arch", None)
     if collection is None:
         raise ValueError(f"shard: {type(model).__name__} has no attribute 'sparse_arch'")
-    model.sparse_arch = shard_collection(collection, plan, process_group, comm_stats, comm)
+    model.sparse_arch = shard_collection(collection, plan, process_group, comm_stats, comm, locations)
     return model

@@ -140,13 +140,20 @@ class FusedPieces(PieceHolder):
 
 
 class CachedPieces(PieceHolder):
-    """The cached tables of a ``CachedEmbeddingBagCollection``: whole tables (``local`` is the
-    table's name, row 0 its first row) read as training sees them, resident rows from their cache
-    slot and the others from the store, and written to both; ``chunk_rows`` rows at a time, so a
-    table larger than host memory is never held whole."""
+    """The cached tables of a ``CachedEmbeddingBagCollection`` (one per piece; ``local`` is the
+    collection's table, whose row 0 is row ``first_rows[local]`` of the model's table) read as
+    training sees them, resident rows from their cache slot and the others from the store, and
+    written to both; ``chunk_rows_of`` rows at a time, so a table larger than host memory is never
+    held whole."""
 
-    def __init__(self, collection) -> None:
+    def __init__(self, collection, first_rows: Optional[Dict[str, int]] = None) -> None:
         self.collection = collection
+        self.first_rows = dict(first_rows or {})
+
+    def _rows(self, piece: LocalPiece, ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Rows of the collection's table of ``piece`` (a chunk of it when restoring)."""
+        start = piece.row_start - self.first_rows.get(piece.local, 0)
+        return torch.arange(start, start + piece.row_end - piece.row_start) if ids is None else ids.cpu() + start
 
     @property
     def optimizer_kind(self) -> str:  # type: ignore[override]
@@ -174,11 +181,10 @@ class CachedPieces(PieceHolder):
         return self.collection.resident(piece.local)
 
     def read(self, piece, ids, context=None):
-        rows = torch.arange(piece.row_start, piece.row_end) if ids is None else ids.cpu() + piece.row_start
-        return self.collection.read_rows(piece.local, rows, context)
+        return self.collection.read_rows(piece.local, self._rows(piece, ids), context)
 
     def write(self, piece, weight, state, context=None):
-        self.collection.write_rows(piece.local, torch.arange(piece.row_start, piece.row_end), weight, state, context)
+        self.collection.write_rows(piece.local, self._rows(piece, None), weight, state, context)
 
     def restore_target(self, piece, context=None):
         """Empty tensors, not the rows in the store: the full checkpoint covers every row before
@@ -210,9 +216,20 @@ def model_pieces(sparse_arch, rank: int) -> List[LocalPiece]:
     if isinstance(sparse_arch, ShardedEmbeddingBagCollection):
         if sparse_arch.tbe is None:
             return []
-        routing, fused = sparse_arch.routing, FusedPieces(lambda: sparse_arch.tbe)
+        routing, fused, local = sparse_arch.routing, FusedPieces(lambda: sparse_arch.tbe), sparse_arch.cached
+        shards = routing.shards_on[rank]
+        if local is not None:  # pieces off the device in a cached collection, the others in its modules
+            cached = CachedPieces(local, {p.config.name: p.shard.row_start for p in shards})
+            host = FusedPieces(lambda: local.host_tbe)
+            host_names = local._host_names()
+
+            def holder_of(name: str) -> PieceHolder:
+                return cached if name in local.caches else host if name in host_names else fused
+        else:
+            def holder_of(name: str) -> PieceHolder:
+                return fused
         pieces = [LocalPiece(p.table.name, p.config.name, p.shard.row_start, p.shard.row_end, p.shard.col_start,
-                             p.shard.col_end, True, fused) for p in routing.shards_on[rank]]
+                             p.shard.col_end, True, holder_of(p.config.name)) for p in shards]
         pieces += [LocalPiece(t.name, t.name, 0, t.num_embeddings, 0, t.embedding_dim, rank == 0, fused)
                    for t in routing.replicas]
         return pieces
@@ -222,7 +239,8 @@ def model_pieces(sparse_arch, rank: int) -> List[LocalPiece]:
 def fused_modules(sparse_arch) -> List[Tuple[str, TableBatchedEmbeddingBags]]:
     """(name, module) of every fused module of this rank, the main one first under the name "" (its
     optimizer step is the checkpoint's): a cached collection's host module is "host"."""
-    modules = [("", getattr(sparse_arch, "tbe", None)), ("host", getattr(sparse_arch, "host_tbe", None))]
+    host = getattr(getattr(sparse_arch, "cached", None) or sparse_arch, "host_tbe", None)
+    modules = [("", getattr(sparse_arch, "tbe", None)), ("host", host)]
     return [(name, module) for name, module in modules if module is not None]
 
 

@@ -32,7 +32,7 @@ from neorec.embedding import EmbeddingBagCollection
 from neorec.devices import concrete_device
 from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
-from neorec.embedding.locations import OFF_DEVICE_SINGLE_PROCESS
+from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_main, local_loss, no_cuda_message,
@@ -82,11 +82,13 @@ def ssd_dir_of(cfg: Config) -> str:
     return str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else "embedding_ssd"
 
 
-def build_model(cfg: Config, source: DataSource, device: torch.device) -> DLRM:
-    """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``."""
+def build_model(cfg: Config, source: DataSource, device: torch.device, sharded: bool = False) -> DLRM:
+    """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``.
+    ``sharded``: the model is sharded next (``shard(..., locations=...)`` places each rank's pieces
+    of the tables off the device), so every table is built on the device here."""
     torch.manual_seed(cfg.train.seed)
     tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
-    if cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
+    if not sharded and cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
         collection = CachedEmbeddingBagCollection(
             tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=cfg.train.seed,
             locations=cfg.embedding.location.resolve(tables, ssd_dir_of(cfg)))
@@ -240,9 +242,9 @@ class Trainer:
         if any(cfg.embedding.location.kind_of(t) == "cached_ssd" for t in tables):  # named, not a bare errno
             ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir" if cfg.embedding.location.ssd_dir
                                 else "embedding.location.ssd_dir (by default <train.output_dir>/embedding_ssd)")
-        if distributed is not None and off_device:
-            raise ValueError(OFF_DEVICE_SINGLE_PROCESS)
-        self.model = build_model(cfg, self.source, self.device)
+        if distributed is not None and off_device and cfg.embedding.location.prefetch:
+            raise ValueError(PREFETCH_SINGLE_PROCESS)
+        self.model = build_model(cfg, self.source, self.device, sharded=distributed is not None)
         self.plan = None
         if cfg.train.profile and distributed is not None and comm_stats is None:
             from neorec.sharding.comm import CommStats
@@ -276,7 +278,10 @@ class Trainer:
         context = self.distributed
         tables = self.source.tables(self.cfg.model.embedding_dim, self.cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
-        shard(self.model, self.plan, context.embedding_group, comm_stats, self.cfg.embedding.comm)
+        locations = None
+        if self.cfg.embedding.location.any_off_device(tables):  # each rank's pieces of them behind caches
+            locations = self.cfg.embedding.location.resolve(tables, ssd_dir_of(self.cfg))
+        shard(self.model, self.plan, context.embedding_group, comm_stats, self.cfg.embedding.comm, locations)
         self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
 
     # ------------------------------------------------------------------------------ one step

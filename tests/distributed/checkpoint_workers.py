@@ -60,3 +60,18 @@ def train_or_resume(rank: int, world: int, group, directory: str, plan_json: str
     trainer = Trainer(cfg, out=io.StringIO(), distributed=context, plan=plan, resume=resume)
     trainer.fit()
     return snapshot(trainer, True) | {"step": torch.tensor(trainer.step)}
+
+
+def build_with_locations(rank: int, world: int, group, names, rows, plan_json: str, kinds) -> str:
+    """The error a ShardedEmbeddingBagCollection with tables at ``kinds`` raises ("" if none)."""
+    from neorec.embedding import TableConfig
+    from neorec.embedding.locations import TableLocation
+    from neorec.sharding import ShardedEmbeddingBagCollection, ShardingPlan
+
+    tables = [TableConfig(name, n, 8) for name, n in zip(names, rows)]
+    try:
+        ShardedEmbeddingBagCollection(tables, ShardingPlan.from_json(plan_json), group,
+                                      locations={name: TableLocation(kind) for name, kind in kinds.items()})
+    except ValueError as exc:
+        return str(exc)
+    return ""

@@ -1,0 +1,66 @@
+"""Tables off the device in sharded training: each rank's pieces of a cached table sit in stores
+behind caches of their own; training equals the same plan with every table on the device, bit for
+bit (fp32 stores), and its checkpoints restore into one process with device tables.
+
+    python -m pytest tests/distributed/test_sharded_cached.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import pytest
+import torch
+
+import checkpoint_workers
+from harness import run_ranks
+from neorec.embedding import TableConfig
+from neorec.sharding import ShardingPlan, column_wise, data_parallel, row_wise
+from neorec.train.checkpoint import verify_checkpoint
+from neorec.train.trainer import Trainer
+from workers import small_config
+
+TABLES = [TableConfig(f"t_feature_{i}", rows, 8) for i, rows in enumerate([60, 200, 25])]
+PLAN = ShardingPlan({TABLES[0].name: column_wise(TABLES[0], [1, 0], widths=[3, 5]),
+                     TABLES[1].name: row_wise(TABLES[1], [0, 1]),
+                     TABLES[2].name: data_parallel()}, 2).to_json()
+# t_feature_0's column pieces and t_feature_1's row pieces behind caches of 10% of their rows (they
+# grow to a batch's distinct rows, then evict); the data-parallel table stays on the device
+CACHED = ["embedding.location.default='cached_ssd'", 'embedding.location.tables={ t_feature_2 = "device" }',
+          "embedding.location.cache_fraction=0.1"]
+
+
+@pytest.mark.filterwarnings("ignore:cache of table .* growing it:RuntimeWarning")
+def test_cached_pieces_train_as_device_pieces_and_checkpoint_as_logical_tables(tmp_path):
+    common = ["train.max_steps=5", 'embedding.optimizer.kind="adam"']
+    device = run_ranks(checkpoint_workers.train_or_resume, 2, tmp_path / "device",
+                       args=(str(tmp_path / "device"), PLAN, common, None))[0]
+    saving = [*common, *CACHED, f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=2",
+              "checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0"]
+    cached = run_ranks(checkpoint_workers.train_or_resume, 2, tmp_path / "cached",
+                       args=(str(tmp_path / "cached"), PLAN, saving, None))[0]
+    stores = sorted(p.name for p in (tmp_path / "cached" / "run2" / "embedding_ssd").iterdir() if p.is_dir())
+    assert stores == ["t_feature_0@0", "t_feature_0@1", "t_feature_1@0", "t_feature_1@1"]
+    assert device.keys() == cached.keys()
+    for key in device:
+        assert torch.equal(device[key], cached[key]), key
+
+    manifest = verify_checkpoint(tmp_path / "ckpt" / "step-000000005")
+    assert manifest["kind"] == "incremental" and len(manifest["chain"]) == 3
+    assert any(f.startswith("rank1-") for f in manifest["files"])  # rank 1's cached pieces, in chunk files
+    single = Trainer(small_config(str(tmp_path / "run1"), 128, 64, common), out=io.StringIO(),
+                     resume=str(tmp_path / "ckpt"))
+    single.fit()  # step 5 = max_steps: restores, trains nothing
+    assert single.step == 5
+    for table in TABLES:
+        assert torch.equal(single.model.sparse_arch.tbe.get_table_weight(table.name), cached[table.name]), table.name
+    for key, value in single.model.state_dict().items():
+        if not key.startswith("sparse_arch"):
+            assert torch.equal(value, cached[key]), key
+
+
+def test_a_data_parallel_table_off_the_device_is_refused(tmp_path):
+    messages = run_ranks(checkpoint_workers.build_with_locations, 2, tmp_path,
+                         args=([t.name for t in TABLES], [t.num_embeddings for t in TABLES], PLAN,
+                               {"t_feature_2": "cached_dram"}))
+    assert all("tables ['t_feature_2'] are data-parallel in the plan and placed off the device (cached_dram)" in m
+               for m in messages), messages
