@@ -289,6 +289,7 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
     """(config, plan) of a run of ``world`` processes, ``ranks_per_node`` on each node: the plan
     file loaded and checked against the world and the config's table names (``--plan auto`` and no
     plan stay as given; the ranks check the rest once they know the tables' sizes)."""
+    from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
     from neorec.sharding import ShardingPlan
     from neorec.sharding.validation import check_plan_nodes, check_plan_tables
 
@@ -301,7 +302,9 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
                                  f"{world} ranks; make a plan for {world} ranks")
             check_plan_nodes(plan, ranks_per_node)
             check_plan_tables(plan, cfg.data.table_names())
-            plan.check_tiers().check_precision(cfg.embedding.storage.precision)
+            plan.check_replicas_on_device().check_precision(cfg.embedding.storage.precision)
+            if cfg.embedding.location.prefetch and plan.tiers_off_device():
+                raise ValueError(PREFETCH_SINGLE_PROCESS)
         except ValueError as exc:
             raise ValueError(f"{exc} ({args.plan})") from None
     return cfg, plan

@@ -22,8 +22,10 @@ What a sharding type allows:
 ``precision`` (optional, per table) is kept for the planner; a sharded collection today stores all
 tables of a rank in one fused module and so one precision (see ``sharded_collection.py``).
 ``tier`` (optional, per table, default "device") is the planner's storage tier ("device",
-"cached_dram", "dram", "cached_ssd"); sharded training places every table on the device, so
-``validate`` refuses any other tier unless the caller says it can place it (``tiers=``).
+"cached_dram", "dram", "cached_ssd"), the location kinds of ``neorec/embedding/locations.py``:
+sharded training places a table with another tier than "device" there (the trainer takes the
+cache and store settings from ``[embedding.location]``); data-parallel tables stay on the device
+(``check_replicas_on_device``). ``validate`` refuses the tiers the caller cannot place (``tiers=``).
 """
 
 from __future__ import annotations
@@ -238,6 +240,21 @@ class ShardingPlan:
                              f"other than {list(tiers)}; sharded training places tables on the device only: make "
                              f"the plan with `neorec plan --tiers device`")
         return self
+
+    def check_replicas_on_device(self) -> "ShardingPlan":
+        """No data-parallel table is planned off the device (each rank would hold a whole replica in
+        a store of its own). Returns self."""
+        off = [f"{name!r} ({entry.tier})" for name, entry in self.tables.items()
+               if entry.sharding_type == ShardingType.DATA_PARALLEL and entry.tier != DEVICE_TIER]
+        if off:
+            raise ValueError(f"sharding plan: data-parallel tables {', '.join(off)} are planned off the device; every "
+                             f"rank would hold a whole replica in a store of its own: plan them on the device or "
+                             f"shard them another way")
+        return self
+
+    def tiers_off_device(self) -> Dict[str, str]:
+        """{table: tier} of the tables planned elsewhere than on the device."""
+        return {name: entry.tier for name, entry in self.tables.items() if entry.tier != DEVICE_TIER}
 
     def check_precision(self, precision: str) -> "ShardingPlan":
         """No table asks for another storage precision than ``precision`` (one rank's fused module

@@ -18,6 +18,7 @@ from typing import Dict, List, Sequence
 
 from neorec.embedding.config import TableConfig
 from neorec.embedding.layout import validate_tables
+from neorec.planner.names import TIERS
 from neorec.sharding.plan import Shard, ShardingPlan, ShardingType
 
 SEPARATOR = "@"
@@ -69,7 +70,7 @@ class Routing:
 
     def __init__(self, tables: Sequence[TableConfig], plan: ShardingPlan, world_size: int) -> None:
         self.tables = validate_tables(list(tables))
-        plan.validate(self.tables, world_size)
+        plan.validate(self.tables, world_size, tiers=TIERS)  # the collection places the tiers (its locations)
         self.world_size = world_size
         self.feature_names = [f for t in self.tables for f in t.feature_names]
         self.feature_dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]

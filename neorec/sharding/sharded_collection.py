@@ -135,6 +135,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         unknown = sorted(set(off) - {t.name for t in self.tables})
         if unknown:
             raise ValueError(f"locations name {unknown}, which are not tables; tables are {[t.name for t in self.tables]}")
+        planned = self.plan.tiers_off_device()
+        differ = {name: tier for name, tier in planned.items() if name not in off or off[name].kind != tier}
+        if differ:
+            raise ValueError(f"the plan places tables {differ} off the device, but the locations given "
+                             f"{ {name: off[name].kind if name in off else 'device' for name in differ} } differ: "
+                             f"give each such table a TableLocation of its tier (the trainer makes them from the "
+                             f"plan and [embedding.location])")
         replicated = sorted(t.name for t in self.routing.replicas if t.name in off)
         if replicated:
             raise ValueError(f"tables {replicated} are data-parallel in the plan and placed off the device "

@@ -12,6 +12,7 @@ Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from neorec.embedding import EmbeddingBagCollection
 from neorec.devices import concrete_device
 from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collections, with_prefetch
-from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
+from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS, TableLocation
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_main, local_loss, no_cuda_message,
@@ -112,6 +113,21 @@ def build_model(cfg: Config, source: DataSource, device: torch.device, sharded: 
         self_interaction=cfg.model.self_interaction,
     )
     return model.to(device)
+
+
+def plan_locations(cfg: Config, tables, plan) -> Optional[Dict[str, TableLocation]]:
+    """Where a sharded run puts each table: the plan's tier when it is not "device" (the planner
+    chose it), else ``[embedding.location]``'s kind, with that section's cache and store settings;
+    None when every table stays on the device."""
+    planned = plan.tiers_off_device()
+    if not planned and not cfg.embedding.location.any_off_device(tables):
+        return None
+    locations = cfg.embedding.location.resolve(tables, ssd_dir_of(cfg))
+    ssd = Path(ssd_dir_of(cfg))
+    for name, tier in planned.items():
+        locations[name] = dataclasses.replace(locations[name], kind=tier,
+                                              path=str(ssd / name) if tier == "cached_ssd" else "")
+    return locations
 
 
 def make_dense_optimizer(cfg: DenseOptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -238,12 +254,9 @@ class Trainer:
         self.device = distributed.device if distributed else resolve_device(cfg.train.device)
         self.source = source if source is not None else make_data_source(cfg.data)
         tables = self.source.tables(cfg.model.embedding_dim, cfg.model.pooling)
-        off_device = cfg.embedding.location.any_off_device(tables)
         if any(cfg.embedding.location.kind_of(t) == "cached_ssd" for t in tables):  # named, not a bare errno
             ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir" if cfg.embedding.location.ssd_dir
                                 else "embedding.location.ssd_dir (by default <train.output_dir>/embedding_ssd)")
-        if distributed is not None and off_device and cfg.embedding.location.prefetch:
-            raise ValueError(PREFETCH_SINGLE_PROCESS)
         self.model = build_model(cfg, self.source, self.device, sharded=distributed is not None)
         self.plan = None
         if cfg.train.profile and distributed is not None and comm_stats is None:
@@ -278,9 +291,11 @@ class Trainer:
         context = self.distributed
         tables = self.source.tables(self.cfg.model.embedding_dim, self.cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
-        locations = None
-        if self.cfg.embedding.location.any_off_device(tables):  # each rank's pieces of them behind caches
-            locations = self.cfg.embedding.location.resolve(tables, ssd_dir_of(self.cfg))
+        locations = plan_locations(self.cfg, tables, self.plan)
+        if locations is not None and self.cfg.embedding.location.prefetch:
+            raise ValueError(PREFETCH_SINGLE_PROCESS)
+        if locations is not None and any(location.kind == "cached_ssd" for location in locations.values()):
+            ensure_writable_dir(ssd_dir_of(self.cfg), "embedding.location.ssd_dir (the plan's cached_ssd tables)")
         shard(self.model, self.plan, context.embedding_group, comm_stats, self.cfg.embedding.comm, locations)
         self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
 

@@ -8,6 +8,7 @@ bit (fp32 stores), and its checkpoints restore into one process with device tabl
 from __future__ import annotations
 
 import io
+import json
 import pytest
 import torch
 
@@ -44,6 +45,17 @@ def test_cached_pieces_train_as_device_pieces_and_checkpoint_as_logical_tables(t
     for key in device:
         assert torch.equal(device[key], cached[key]), key
 
+    # the planner's tiers place tables too (the cache and store settings from [embedding.location])
+    tiered = json.loads(PLAN)
+    tiered["tables"]["t_feature_0"]["tier"] = "dram"
+    tiered["tables"]["t_feature_1"]["tier"] = "cached_ssd"
+    planned = run_ranks(checkpoint_workers.train_or_resume, 2, tmp_path / "planned",
+                        args=(str(tmp_path / "planned"), json.dumps(tiered), common, None))[0]
+    assert sorted(p.name for p in (tmp_path / "planned" / "run2" / "embedding_ssd").iterdir() if p.is_dir()) == [
+        "t_feature_1@0", "t_feature_1@1"]
+    for key in device:
+        assert torch.equal(device[key], planned[key]), key
+
     manifest = verify_checkpoint(tmp_path / "ckpt" / "step-000000005")
     assert manifest["kind"] == "incremental" and len(manifest["chain"]) == 3
     assert any(f.startswith("rank1-") for f in manifest["files"])  # rank 1's cached pieces, in chunk files
@@ -64,3 +76,11 @@ def test_a_data_parallel_table_off_the_device_is_refused(tmp_path):
                                {"t_feature_2": "cached_dram"}))
     assert all("tables ['t_feature_2'] are data-parallel in the plan and placed off the device (cached_dram)" in m
                for m in messages), messages
+
+
+def test_a_plan_tier_needs_a_location_of_that_kind(tmp_path):
+    tiered = json.loads(PLAN)
+    tiered["tables"]["t_feature_1"]["tier"] = "cached_dram"
+    messages = run_ranks(checkpoint_workers.build_with_locations, 2, tmp_path,
+                         args=([t.name for t in TABLES], [t.num_embeddings for t in TABLES], json.dumps(tiered), {}))
+    assert all("the plan places tables {'t_feature_1': 'cached_dram'} off the device" in m for m in messages), messages

@@ -96,10 +96,11 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "written for world_size 2, but the world has 3 ranks" in err, err
     for change, message in (("precision", "asks for precision 'fp16' but the embeddings are stored in 'fp32'"),
-                            ("tier", "are planned on a storage tier other than ['device']")):  # each rank said these
+                            ("tier", "data-parallel tables 't_feature_0' (dram) are planned off the device")):
         entries = json.loads(plan.read_text())
         first = entries["tables"][sorted(entries["tables"])[0]]
-        first.update({"precision": "fp16"} if change == "precision" else {"tier": "dram"})
+        first.update({"precision": "fp16"} if change == "precision" else  # each rank said these
+                     {"sharding_type": "data_parallel", "shards": [], "tier": "dram"})
         (tmp_path / f"{change}.json").write_text(json.dumps(entries))
         assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(tmp_path / f"{change}.json")]) == 2
         err = capsys.readouterr().err
