@@ -222,23 +222,23 @@ class ShardingPlan:
 
     # ------------------------------------------------------------------------------ validation
     def validate(self, tables: Sequence[TableConfig], world_size: Optional[int] = None,
-                 tiers: Sequence[str] = (DEVICE_TIER,)) -> "ShardingPlan":
+                 tiers: Sequence[str] = TIERS) -> "ShardingPlan":
         """Check the plan against ``tables`` and the world; raise ValueError naming the table and
         the problem. ``tiers``: the storage tiers the caller can place tables on (sharded
-        training: the device only). Returns self."""
+        training: all of them). Returns self."""
         from neorec.sharding.validation import validate_plan
 
         validate_plan(self, tables, self.world_size if world_size is None else world_size)
         return self.check_tiers(tiers)
 
     def check_tiers(self, tiers: Sequence[str] = (DEVICE_TIER,)) -> "ShardingPlan":
-        """Every table on one of ``tiers`` (sharded training: the device only). Returns self."""
+        """Every table on one of ``tiers``. Returns self."""
         elsewhere = [f"{name!r} ({entry.tier})" for name, entry in self.tables.items() if entry.tier not in tiers]
         if elsewhere:
             more = f" and {len(elsewhere) - 5} more" if len(elsewhere) > 5 else ""
             raise ValueError(f"sharding plan: tables {', '.join(elsewhere[:5])}{more} are planned on a storage tier "
-                             f"other than {list(tiers)}; sharded training places tables on the device only: make "
-                             f"the plan with `neorec plan --tiers device`")
+                             f"other than {list(tiers)}, which this use cannot place: make the plan with "
+                             f"`neorec plan --tiers {','.join(tiers)}`")
         return self
 
     def check_replicas_on_device(self) -> "ShardingPlan":

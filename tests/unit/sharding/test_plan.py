@@ -193,7 +193,7 @@ def test_example_plan_fits_the_tiny_config():
         ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL}
 
 
-def test_tier_is_kept_in_the_file_and_only_the_device_tier_validates(tmp_path):
+def test_tier_is_kept_in_the_file_and_validated(tmp_path):
     from neorec.planner.names import TIERS
 
     plan = replace(good_plan(), "c", TablePlan("data_parallel", [], precision="fp16", tier="dram"))
@@ -203,9 +203,12 @@ def test_tier_is_kept_in_the_file_and_only_the_device_tier_validates(tmp_path):
     plan.save(path)
     assert ShardingPlan.load(path) == plan and ShardingPlan.load(path).tables["c"].tier == "dram"
     assert ShardingPlan.from_json(good_plan().to_json()).tables["a"].tier == "device"  # old files: device
-    with pytest.raises(ValueError, match=r"'c' \(dram\).*device only.*neorec plan --tiers device"):
-        plan.validate(TABLES, 4)                  # what training calls
-    assert plan.validate(TABLES, 4, tiers=TIERS) is plan
+    assert plan.validate(TABLES, 4) is plan and plan.validate(TABLES, 4, tiers=TIERS) is plan  # training places all
+    with pytest.raises(ValueError, match=r"'c' \(dram\).*cannot place.*neorec plan --tiers device"):
+        plan.validate(TABLES, 4, tiers=("device",))
+    assert plan.tiers_off_device() == {"c": "dram"}
+    with pytest.raises(ValueError, match=r"data-parallel tables 'c' \(dram\) are planned off the device"):
+        plan.check_replicas_on_device()  # what the launcher checks
     with pytest.raises(ValueError, match=r"\(table 'c'\): tier must be one of"):
         ShardingPlan.from_dict({"world_size": 1, "tables": {"c": {"sharding_type": "data_parallel", "tier": "hbm"}}})
 
