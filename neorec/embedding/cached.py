@@ -358,8 +358,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             table = self._table_of[name]
             parts = self._table_ids(features, table, position, offsets)
             ids = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if update and self._modified is not None:  # the rows this batch's update trains
-                self._modified[name][ids] = True
+            if update and self._modified is not None:  # the rows this batch's update trains (marks in host memory)
+                self._modified[name][ids.cpu()] = True
             try:
                 slots = self.caches[name].lookup(ids, update=update)
             except CacheTooSmallError as error:
@@ -566,7 +566,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                    resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Set the distinct rows ``ids`` of cached table ``name`` (and their optimizer state, every
         field; None: it stays): in its store, rounded to the store's precision, and in their slot
-        when resident (``SetAssociativeCache.write``). Between steps only."""
+        when resident (``SetAssociativeCache.write``). Between steps only. The rows are not marked
+        as modified (``track_modified_rows`` marks training's updates only)."""
         if self._pending_update:
             raise RuntimeError("write_rows between a forward and its backward; write rows between steps")
         self._cache_of(name).write(ids, rows, state, resident)

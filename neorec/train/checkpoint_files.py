@@ -84,22 +84,19 @@ def quantize_rows(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tenso
     x = x.to(torch.float32)
     rows, cols = x.shape
     levels = (1 << bits) - 1
-    if cols == 0 or rows == 0:
-        minimum = torch.zeros(rows)
-        scale = torch.zeros(rows)
-        codes = torch.zeros(rows, cols, dtype=torch.uint8)
-    else:
-        minimum, maximum = x.aminmax(dim=1)
-        scale = (maximum - minimum) / levels
-        # a span of a few subnormals: the scale rounded down (or to 0) would not reach the row's max
-        scale = torch.where(scale * levels < maximum - minimum, torch.nextafter(scale, torch.full_like(scale, math.inf)),
-                            scale)
-        if not bool(torch.isfinite(scale).all()):
-            row = int((~torch.isfinite(scale)).nonzero()[0])
-            raise UnquantizableRowError(row, bits)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round((x - minimum[:, None]) / safe[:, None]).clamp_(0, levels).to(torch.uint8)
     per_byte = 8 // bits
+    if cols == 0 or rows == 0:  # nothing to pack (an incremental piece with no modified row)
+        return torch.zeros(rows, -(-cols // per_byte), dtype=torch.uint8), torch.zeros(rows), torch.zeros(rows)
+    minimum, maximum = x.aminmax(dim=1)
+    scale = (maximum - minimum) / levels
+    # a span of a few subnormals: the scale rounded down (or to 0) would not reach the row's max
+    scale = torch.where(scale * levels < maximum - minimum, torch.nextafter(scale, torch.full_like(scale, math.inf)),
+                        scale)
+    if not bool(torch.isfinite(scale).all()):
+        row = int((~torch.isfinite(scale)).nonzero()[0])
+        raise UnquantizableRowError(row, bits)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - minimum[:, None]) / safe[:, None]).clamp_(0, levels).to(torch.uint8)
     pad = (-cols) % per_byte
     if per_byte > 1:
         if pad:
@@ -121,5 +118,5 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Ten
     if per_byte > 1:
         mask = (1 << bits) - 1
         parts = [(codes >> (bits * i)) & mask for i in range(per_byte)]
-        codes = torch.stack(parts, dim=2).view(rows, -1)[:, :cols]
+        codes = torch.stack(parts, dim=2).reshape(rows, codes.shape[1] * per_byte)[:, :cols]
     return codes.to(torch.float32) * scale[:, None] + minimum[:, None]

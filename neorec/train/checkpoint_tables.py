@@ -288,9 +288,9 @@ def save_pieces(pieces: List[LocalPiece], incremental: bool, row_bits: int, pref
         holder, rows = piece.holder, piece.row_end - piece.row_start
         context = holder.prepare(piece)
         chunk = holder.chunk_rows_of(piece)
-        parts = (ids.split(chunk) if incremental else
-                 [torch.arange(lo, min(lo + chunk, rows)) for lo in range(0, rows, chunk)])
-        for k, part in enumerate(parts):
+        parts = (ids.split(chunk) if incremental else  # made one at a time: 8 bytes a row otherwise
+                 (torch.arange(lo, min(lo + chunk, rows)) for lo in range(0, rows, chunk)))
+        for k, part in enumerate(part for part in parts if part.numel()):  # no file for no rows
             tensors, entries = {}, []
             _add_piece(tensors, entries, piece, f"{prefix}{index}.{k}", part, row_bits, incremental, context)
             yield tensors, entries

@@ -250,3 +250,27 @@ def test_a_restore_keeps_its_mapped_files_under_a_budget(tmp_path):
         assert files.tensors(path)["x"][0].item() == float(path.name[1])
         assert sum(s for s, _ in files.mapped.values()) <= 2 * size
     assert list(files.mapped) == [paths[3], paths[0]] and files.loads == 5  # f0 mapped again after f2, f3
+
+
+@pytest.mark.parametrize("row_bits", [32, 4])
+def test_an_increment_of_a_table_no_step_trained_writes_no_rows(row_bits):
+    """A table whose bags were all empty since the last checkpoint: no chunk file for a cached
+    table, an entry of no row for a device one (4-bit packing of no row raised)."""
+    from neorec.embedding.config import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.locations import TableLocation
+    from neorec.sparse.jagged import KeyedJaggedTensor
+
+    tables = [TableConfig("a", 40, 4, ["fa"]), TableConfig("b", 30, 8, ["fb"]), TableConfig("c", 20, 4, ["fc"])]
+    collection = CachedEmbeddingBagCollection(tables, SparseOptimizerConfig(kind="sgd", learning_rate=0.1),
+                                              locations={"b": TableLocation("cached_dram", cache_rows=8, ways=4)})
+    pieces = checkpoint_tables.model_pieces(collection, 0)
+    for holder in checkpoint_tables.holders(pieces):
+        holder.track()
+    features = KeyedJaggedTensor(["fa", "fb", "fc"], torch.tensor([3, 17]), torch.tensor([1, 1, 0, 0, 0, 0]))
+    collection(features).values.sum().backward()  # a: rows 3, 17; b, c: empty bags only
+    groups = list(checkpoint_tables.save_pieces(pieces, True, row_bits, "p"))
+    assert len(groups) == 1  # the main file only: b has no chunk
+    entries = {e["table"]: e for e in groups[0][1]}
+    assert set(entries) == {"a", "c"}
+    assert entries["a"]["num_rows_written"] == 2 and entries["c"]["num_rows_written"] == 0
+    assert entries["a"]["rows"] == [3, 18] and entries["c"]["rows"] == [0, 0]

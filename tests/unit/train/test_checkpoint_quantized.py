@@ -24,6 +24,17 @@ def test_quantize_rows_error_bound(bits):
     assert torch.equal(back.amin(1), x.amin(1)) or torch.allclose(back.amin(1), x.amin(1))
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_rows_of_no_row_or_no_column(bits):
+    """An incremental piece with no modified row: 4- and 2-bit packing raised ``cannot reshape
+    tensor of 0 elements`` (a RuntimeError, which stopped the run with a traceback)."""
+    for rows, cols in ((0, 11), (3, 0), (0, 0)):
+        codes, scale, minimum = quantize_rows(torch.zeros(rows, cols), bits)
+        assert codes.dtype == torch.uint8 and codes.shape == (rows, (cols * bits + 7) // 8)
+        assert scale.shape == minimum.shape == (rows,)
+        assert dequantize_rows(codes, scale, minimum, bits, cols).shape == (rows, cols)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_checkpoint_restores_within_error(tmp_path, bits):
     trainer = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 6, f"checkpoint.row_bits={bits}"))
