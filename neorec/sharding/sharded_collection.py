@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from neorec.devices import concrete_device
-from neorec.embedding.cached import CachedEmbeddingBagCollection
+from neorec.embedding.cached import CachedEmbeddingBagCollection, _InitStream
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.locations import TableLocation
-from neorec.embedding.tbe import TableBatchedEmbeddingBags
+from neorec.embedding.tbe import _INIT_CHUNK, TableBatchedEmbeddingBags
 from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
 from neorec.sharding.input_dist import LocalBatch, input_dist
 from neorec.sharding.output_dist import OutputPlacement, output_dist
@@ -62,7 +62,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer, storage: of the fused module (one precision per rank: a table's plan
             ``precision``, if set, must equal ``storage.precision``).
         device: where this rank's buffers live (its CUDA device under NCCL).
-        init_seed: init of the local module (``shard()`` overwrites it with the unsharded weights).
+        init_seed: init of the local module: each piece is drawn as a table of its own, not as the
+            rows of the unsharded table (``load_initial_weights`` or ``shard()`` set those).
         comm_stats: counts the bytes this rank hands to each collective (optional).
         comm: codecs of the pooled-embedding all-to-all, forward and backward (``qcomm.py``;
             default fp32 both ways).
@@ -262,6 +263,46 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     self.tbe.set_table_weight(piece.config.name, part)
         if self.plan.tables[name].sharding_type == ShardingType.DATA_PARALLEL:
             self.tbe.set_table_weight(name, weight)
+
+    @torch.no_grad()
+    def load_initial_weights(self, init_seed: int) -> None:
+        """Set this rank's pieces and replicas to the rows ``EmbeddingBagCollection(tables,
+        init_seed=init_seed)`` starts from, without building it: the same random stream is drawn
+        table by table, ``_INIT_CHUNK`` values at a time (tables this rank holds nothing of are drawn
+        and dropped), and each block's rows go to the pieces they overlap. Local: no collective;
+        memory: one block beside the pieces."""
+        generator = torch.Generator().manual_seed(int(init_seed))
+        replicas = {t.name for t in self.routing.replicas}
+        for table in self.tables:
+            stream = _InitStream(generator, table)
+            pieces = [p for p in self.routing.shards_on[self.rank] if p.table.name == table.name]
+            if not pieces and table.name not in replicas:
+                stream.skip()
+                continue
+            dim, step = table.embedding_dim, max(1, _INIT_CHUNK // table.embedding_dim)
+            for lo in range(0, table.num_embeddings, step):
+                hi = min(lo + step, table.num_embeddings)
+                block = stream.take((hi - lo) * dim).view(hi - lo, dim)
+                if table.name in replicas:
+                    self._set_rows(table.name, lo, block)
+                for piece in pieces:
+                    s = piece.shard
+                    a, b = max(lo, s.row_start), min(hi, s.row_end)
+                    if a < b:
+                        self._set_rows(piece.config.name, a - s.row_start, block[a - lo : b - lo, s.col_start : s.col_end])
+            stream.skip()
+
+    def _set_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Rows ``start ..`` of local table ``name`` (a piece or a replica) = ``rows`` (fp32), rounded
+        to nearest into fp16 / bf16 storage (as ``set_table_weight``), or written to its store."""
+        if self.cached is not None and name in self.cached.caches:
+            self.cached.write_rows(name, torch.arange(start, start + rows.shape[0]), rows.contiguous())
+            return
+        module = self.cached._module_of(name) if self.cached is not None else self.tbe
+        t = module._table(name)
+        table = module.weights[module.table_offsets[t] : module.table_offsets[t] + module.table_rows[t]
+                               * module.table_dims[t]].view(module.table_rows[t], module.table_dims[t])
+        table[start : start + rows.shape[0]].copy_(rows)
 
     @torch.no_grad()
     def full_table_weight(self, name: str) -> torch.Tensor:

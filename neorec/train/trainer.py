@@ -83,13 +83,16 @@ def ssd_dir_of(cfg: Config) -> str:
     return str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else "embedding_ssd"
 
 
-def build_model(cfg: Config, source: DataSource, device: torch.device, sharded: bool = False) -> DLRM:
+def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_arch: Optional[torch.nn.Module] = None
+                ) -> DLRM:
     """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``.
-    ``sharded``: the model is sharded next (``shard(..., locations=...)`` places each rank's pieces
-    of the tables off the device), so every table is built on the device here."""
-    torch.manual_seed(cfg.train.seed)
+    ``sparse_arch``: its embedding collection, built by the caller (a sharded run's
+    ``ShardedEmbeddingBagCollection``, which allocates this rank's pieces only); else built here."""
+    torch.manual_seed(cfg.train.seed)  # the dense layers' initial weights: the same whatever the collection
     tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
-    if not sharded and cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
+    if sparse_arch is not None:
+        collection = sparse_arch
+    elif cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
         collection = CachedEmbeddingBagCollection(
             tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=cfg.train.seed,
             locations=cfg.embedding.location.resolve(tables, ssd_dir_of(cfg)))
@@ -257,13 +260,14 @@ class Trainer:
         if any(cfg.embedding.location.kind_of(t) == "cached_ssd" for t in tables):  # named, not a bare errno
             ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir" if cfg.embedding.location.ssd_dir
                                 else "embedding.location.ssd_dir (by default <train.output_dir>/embedding_ssd)")
-        self.model = build_model(cfg, self.source, self.device, sharded=distributed is not None)
         self.plan = None
         if cfg.train.profile and distributed is not None and comm_stats is None:
             from neorec.sharding.comm import CommStats
 
             comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
+        sparse_arch = self._sharded_collection(plan, comm_stats) if distributed is not None else None
+        self.model = build_model(cfg, self.source, self.device, sparse_arch)
         self.timeline = None
         if cfg.train.profile:
             clock = step_clock(self.device)  # phases and waits on collectives end when their GPU work does
@@ -271,7 +275,9 @@ class Trainer:
             if comm_stats is not None:
                 comm_stats.now = clock
         if distributed is not None:
-            self._distribute(plan, comm_stats)
+            from neorec.train.distributed import wrap_data_parallel
+
+            self.model = wrap_data_parallel(self.model, distributed.dense_group, self.device)
         if self.timeline is not None:
             self.timeline.attach(self.model)
         self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
@@ -284,20 +290,26 @@ class Trainer:
             from neorec.train.checkpoint import Checkpointer
             self.checkpointer = Checkpointer(cfg.checkpoint, self)
 
-    def _distribute(self, plan, comm_stats) -> None:
-        from neorec.sharding import default_plan, shard
-        from neorec.train.distributed import wrap_data_parallel
+    def _sharded_collection(self, plan, comm_stats):
+        """This rank's ``ShardedEmbeddingBagCollection`` of ``plan`` (default: ``default_plan``),
+        its pieces placed by ``plan_locations`` and starting from the rows the single-process
+        model starts from (``load_initial_weights``): no rank allocates the whole model."""
+        from neorec.sharding import ShardedEmbeddingBagCollection, default_plan
 
-        context = self.distributed
-        tables = self.source.tables(self.cfg.model.embedding_dim, self.cfg.model.pooling)
+        cfg, context = self.cfg, self.distributed
+        tables = self.source.tables(cfg.model.embedding_dim, cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
-        locations = plan_locations(self.cfg, tables, self.plan)
-        if locations is not None and self.cfg.embedding.location.prefetch:
+        locations = plan_locations(cfg, tables, self.plan)
+        if locations is not None and cfg.embedding.location.prefetch:
             raise ValueError(PREFETCH_SINGLE_PROCESS)
         if locations is not None and any(location.kind == "cached_ssd" for location in locations.values()):
-            ensure_writable_dir(ssd_dir_of(self.cfg), "embedding.location.ssd_dir (the plan's cached_ssd tables)")
-        shard(self.model, self.plan, context.embedding_group, comm_stats, self.cfg.embedding.comm, locations)
-        self.model = wrap_data_parallel(self.model, context.dense_group, self.device)
+            ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir (the plan's cached_ssd tables)")
+        collection = ShardedEmbeddingBagCollection(
+            tables, self.plan, context.embedding_group, cfg.embedding.optimizer, cfg.embedding.storage,
+            device=self.device, init_seed=cfg.train.seed, comm_stats=comm_stats, comm=cfg.embedding.comm,
+            locations=locations)
+        collection.load_initial_weights(cfg.train.seed)
+        return collection
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self, batch: Batch, global_batch_size: Optional[int] = None, hooks=None) -> float:

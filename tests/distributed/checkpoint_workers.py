@@ -75,3 +75,19 @@ def build_with_locations(rank: int, world: int, group, names, rows, plan_json: s
     except ValueError as exc:
         return str(exc)
     return ""
+
+
+def initial_state(rank: int, world: int, group, directory: str, plan_json: str, overrides) -> Dict:
+    """The full tables (gathered) and dense weights of a freshly built distributed Trainer."""
+    from neorec.sharding import ShardingPlan
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    cfg = small_config(os.path.join(directory, f"run{world}"), 128 // world, 64, overrides)
+    trainer = Trainer(cfg, out=io.StringIO(), distributed=context, plan=ShardingPlan.from_json(plan_json))
+    model = trainer.model.module
+    out = {t.name: model.sparse_arch.full_table_weight(t.name) for t in model.sparse_arch.tables}
+    out.update({k: v.clone() for k, v in model.state_dict().items() if not k.startswith("sparse_arch")})
+    return out
