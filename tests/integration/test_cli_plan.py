@@ -102,15 +102,17 @@ def _spec_file(tmp_path, **changes) -> str:
     return str(path)
 
 
-def test_plan_file_keeps_the_tier_and_training_refuses_a_non_device_tier(tmp_path, capsys):
+def test_plan_file_keeps_the_tier_that_training_places(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--tables", _spec_file(tmp_path), "--topology", _topology_file(tmp_path), "--tiers", "dram",
                "--time-limit", "0", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     plan = ShardingPlan.load(out)
     assert {e.tier for e in plan.tables.values()} == {"dram"}
-    with pytest.raises(ValueError, match="device only.*--tiers device"):
-        plan.validate([TableConfig("a", 1000, 16), TableConfig("b", 500, 8)], 2)
+    tables = [TableConfig("a", 1000, 16), TableConfig("b", 500, 8)]
+    assert plan.validate(tables, 2) is plan and plan.tiers_off_device() == {"a": "dram", "b": "dram"}
+    with pytest.raises(ValueError, match="cannot place.*--tiers device"):  # a caller of the device only
+        plan.validate(tables, 2, tiers=("device",))
 
 
 @pytest.mark.parametrize("changes, message", [

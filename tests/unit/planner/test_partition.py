@@ -149,8 +149,9 @@ def test_model_f_fits_16_zionex_nodes_with_fp16_rows_dram_and_row_wise_across_no
     assert "fp16" in {e.precision for e in result.plan.tables.values()}
     assert any(tier in ("dram", "cached_dram") for tier in result.tiers.values())
     assert {n: e.tier for n, e in result.plan.tables.items()} == result.tiers  # the plan keeps the tiers
-    with pytest.raises(ValueError, match="device only.*--tiers device"):  # which training cannot place
-        result.plan.validate(table_configs(preset.tables), 128)
+    assert result.plan.validate(table_configs(preset.tables), 128) is result.plan  # training places them
+    with pytest.raises(ValueError, match="cannot place.*--tiers device"):  # a caller of the device only
+        result.plan.validate(table_configs(preset.tables), 128, tiers=("device",))
     nodes = {result.plan.node_of(s.rank) for e in result.plan.tables.values() for s in e.shards
              if e.sharding_type == ShardingType.ROW_WISE}
     assert len(nodes) > 1
