@@ -5,7 +5,8 @@
 Per tier and precision allowed (by the settings and the table's own constraints):
 TABLE_WISE (one piece, any rank), ROW_WISE over all ranks, TABLE_ROW_WISE (row pieces on the
 ranks of one node; only with several nodes), COLUMN_WISE into k = 2, 4, ... pieces (any distinct
-ranks), TABLE_COLUMN_WISE (k column pieces inside one node), DATA_PARALLEL (a replica per rank).
+ranks), TABLE_COLUMN_WISE (k column pieces inside one node), DATA_PARALLEL (a replica per rank;
+device tier only: training refuses a replica in a store of every rank).
 Options whose piece cannot fit an empty rank are dropped; a table left with none is an
 ``InfeasiblePlanError`` naming the table and the tightest limit.
 """
@@ -165,6 +166,8 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
     for tier in tiers:
         for precision in precisions:
             for kind, pieces, placement in layouts:
+                if kind == ShardingType.DATA_PARALLEL and tier != "device":
+                    continue  # a whole replica in every rank's store: training refuses it (check_replicas_on_device)
                 cost, memory = piece_cost(table, kind, pieces, tier, precision, topo, settings)
                 ratio, why = capacity.shortfall(memory)
                 if ratio <= 1.0:

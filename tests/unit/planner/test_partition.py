@@ -357,3 +357,18 @@ def test_tight_packings_that_least_full_placement_misses_are_found_by_best_fit()
     assert {p.option.precision for p in result.placements.values()} == {"fp32"}
     capacity = Capacity.of(topo, result.settings).device
     assert max(r.memory.device for r in result.ranks()) <= capacity * (1 + 1e-9)
+
+
+def test_data_parallel_is_offered_on_the_device_tier_only():
+    """Training refuses a data-parallel table off the device (every rank would hold a whole replica
+    in a store of its own), so the planner does not offer one: a plan it makes always trains."""
+    topo = toy_topology(1, 2, device_gb=1.0, host_gb=4.0)
+    settings = PlanSettings(batch_size=16, tiers=("device", "cached_dram", "dram"))
+    options = enumerate_options(TableSpec("t", 1000, 8, 2.0), topo, settings)
+    kinds = {(o.sharding_type, o.tier) for o in options}
+    assert (ShardingType.DATA_PARALLEL, "device") in kinds
+    assert {tier for kind, tier in kinds if kind == ShardingType.DATA_PARALLEL} == {"device"}
+    assert {"cached_dram", "dram"} <= {tier for _, tier in kinds}  # other layouts keep those tiers
+    dram_only = plan_tables([TableSpec(f"t{i}", 100, 8, 1.0) for i in range(6)], topo,
+                            PlanSettings(batch_size=16, tiers=("dram",)), time_limit=0)
+    assert dram_only.plan.check_replicas_on_device() is dram_only.plan
