@@ -423,6 +423,10 @@ def _print_result(result) -> None:
         if result.first_step else ""
     print(f"training: {result.steps} steps{resumed}, {result.samples:,} samples in {result.train_seconds:.1f} s, "
           f"QPS {result.qps:,.0f} samples/s")
+    if result.cache:
+        print("embedding cache: " + "; ".join(
+            f"{name} hit rate {c['hit_rate']:.1%} of {c['lookups']:,} lookups, {c['evictions']:,} evictions, "
+            f"{c['write_backs']:,} write-backs" for name, c in result.cache.items()))
     if result.metrics_path:
         print(f"metrics log: {result.metrics_path}", flush=True)
 

@@ -36,8 +36,8 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection, cached_collect
 from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS, TableLocation
 from neorec.model import DLRM, dense_parameters
 from neorec.train.allocator import reuse_freed_memory
-from neorec.train.distributed import (DistributedContext, all_reduce_sum, gather_to_main, local_loss, no_cuda_message,
-                                      split_batch, threads_per_rank)
+from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
+                                      no_cuda_message, split_batch, threads_per_rank)
 from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
 from neorec.train.timeline import StepTimeline, step_clock
@@ -65,6 +65,11 @@ class TrainResult:
     metrics_path: Optional[str] = None
     first_step: int = 0  # the step this run started from (resumed: the checkpoint's); samples and
     # seconds count this run's steps only, ``steps`` is the total
+    cache: Dict[str, Dict[str, float]] = field(default_factory=dict)  # per cached table: CACHE_COUNTERS
+    # summed over its pieces and ranks, and hit_rate; empty without cached tables
+
+
+CACHE_COUNTERS = ("lookups", "hits", "evictions", "write_backs", "store_bytes_read", "store_bytes_written")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -529,9 +534,10 @@ class Trainer:
             final_eval = self.evaluate() if self.source.num_eval_samples() else {}  # {}: no eval set
             for collection in cached_collections(self.model):
                 collection.flush()  # every cached row back in its store
+            cache = self._cache_counters()
             qps = samples / max(train_seconds, 1e-9)
             log.write({"kind": "final", "step": self.step, "first_step": first_step, "samples": samples,
-                       "train_seconds": train_seconds, "qps": qps, **final_eval})
+                       "train_seconds": train_seconds, "qps": qps, **final_eval, **({"cache": cache} if cache else {})})
             if self.timeline is not None:
                 self._report_timeline(writes, train_comm)
         finally:
@@ -539,7 +545,41 @@ class Trainer:
             log.close()
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None,
-                           first_step=first_step)
+                           first_step=first_step, cache=cache)
+
+    def _cache_counters(self) -> Dict[str, Dict[str, float]]:
+        """{table: CACHE_COUNTERS and hit_rate} of every cached table, summed over its pieces and,
+        in a sharded run, over the ranks (a collective: every rank calls it). Counters of this
+        process's life (a resumed run counts from its restart)."""
+        from neorec.sharding import ShardedEmbeddingBagCollection
+
+        arch = (self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+                else self.model).sparse_arch
+        collection, table_of = arch, {}
+        if isinstance(arch, ShardedEmbeddingBagCollection):
+            collection = arch.cached
+            table_of = {p.config.name: p.table.name for p in arch.routing.shards_on[arch.rank]}
+        names = [t.name for t in arch.tables]
+        totals = {name: [0.0] * (len(CACHE_COUNTERS) + 1) for name in names}  # + 1: "is cached here"
+        if isinstance(collection, CachedEmbeddingBagCollection):
+            for piece, stats in collection.cache_stats().items():
+                row = totals[table_of.get(piece, piece)]
+                for i, key in enumerate(CACHE_COUNTERS):
+                    row[i] += float(stats[key])
+                row[-1] = 1.0
+        if self.distributed is not None:
+            flat = all_reduce_sums([v for name in names for v in totals[name]], self.distributed.dense_group,
+                                   self.device)
+            width = len(CACHE_COUNTERS) + 1
+            totals = {name: flat[i * width : (i + 1) * width] for i, name in enumerate(names)}
+        out = {}
+        for name in names:
+            row = totals[name]
+            if row[-1] > 0:
+                counters = {key: int(value) for key, value in zip(CACHE_COUNTERS, row)}
+                counters["hit_rate"] = counters["hits"] / counters["lookups"] if counters["lookups"] else float("nan")
+                out[name] = counters
+        return out
 
     @contextlib.contextmanager
     def _step_stream(self, loader, max_steps: Optional[int]):

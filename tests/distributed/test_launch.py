@@ -235,3 +235,37 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     assert "distributed: 2 ranks (gloo)" in stdout and "1 column_wise, 1 data_parallel, 1 row_wise, 1 table_wise" in stdout
     final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["step"] == 4
+
+
+def test_a_plan_with_storage_tiers_trains_its_tables_there(tmp_path):
+    """`neorec plan --tiers cached_dram` then `neorec train --nproc 2 --plan`: the planner's tiers
+    place the tables (caches over DRAM stores, each rank's pieces), trained as on the device."""
+    from neorec.planner.topology import Topology
+
+    spec = tmp_path / "tables.json"
+    spec.write_text(json.dumps({"batch_size": 128, "tables": [
+        {"name": f"t_feature_{i}", "num_rows": rows, "dim": 8} for i, rows in enumerate([500, 1000, 2000, 300])]}))
+    topology = tmp_path / "topology.json"
+    topology.write_text(json.dumps(Topology("two", 1, 2, 8e9, 3e9, 16e9, 3e9, 0.0, 0.0, 0.5e9, 0.5e9, 50e9,
+                                            5e-4).to_dict()))
+    plan = tmp_path / "plan.json"
+    made = neorec("plan", "--tables", str(spec), "--topology", str(topology), "--tiers", "cached_dram",
+                  "--time-limit", "0", "--out", str(plan))
+    assert made.returncode == 0, made.stderr
+    entries = json.loads(plan.read_text())["tables"]
+    assert {e["tier"] for e in entries.values()} == {"cached_dram"}
+    device_plan = tmp_path / "device.json"
+    device_plan.write_text(json.dumps({**json.loads(plan.read_text()), "tables": {
+        name: {k: v for k, v in e.items() if k != "tier"} for name, e in entries.items()}}))
+    finals = {}
+    for name, path in (("tiers", plan), ("device", device_plan)):
+        run = neorec("train", "--config", TINY, "--nproc", "2", "--plan", str(path), "--max-steps", "6",
+                     "--output-dir", str(tmp_path / name), "--set", "embedding.location.cache_fraction=0.2", *SMALL)
+        assert run.returncode == 0, run.stderr
+        finals[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
+        assert ("embedding cache: t_feature_0 hit rate" in run.stdout) == (name == "tiers"), run.stdout
+    assert sorted(finals["tiers"]["cache"]) == [f"t_feature_{i}" for i in range(4)]
+    assert all(c["lookups"] > 0 and c["evictions"] > 0 for c in finals["tiers"]["cache"].values())
+    assert "cache" not in finals["device"]
+    assert {k: v for k, v in finals["tiers"].items() if k in ("auc", "ne", "log_loss")} == {
+        k: v for k, v in finals["device"].items() if k in ("auc", "ne", "log_loss")}

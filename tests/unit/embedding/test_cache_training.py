@@ -408,6 +408,50 @@ def test_trainer_with_cached_tables_equals_the_plain_trainer(tmp_path):
     collection.close()
 
 
+def test_a_run_reports_its_caches_and_a_run_without_them_does_not(tmp_path):
+    """The cache's counters reach the user: the final record of metrics.jsonl, the TrainResult and
+    `neorec train`'s last lines (hit rate, lookups, evictions, write-backs per cached table)."""
+    import contextlib
+    import io
+    import json
+
+    from neorec.cli import _print_result
+    from neorec.config import config_from_dict
+    from neorec.train.trainer import Trainer
+
+    base = {"model": {"embedding_dim": 8, "dense_layers": [16, 8], "over_layers": [16]},
+            "data": {"batch_size": 128, "eval_batch_size": 1024,
+                     "synthetic": {"num_tables": 3, "num_embeddings": [400, 2000, 50], "num_dense": 4,
+                                   "num_train_samples": 1280, "num_eval_samples": 256}},
+            "train": {"epochs": 1, "progress": False}}
+    location = {"default": "cached_dram", "min_rows": 100, "cache_fraction": 0.05}
+    runs = {}
+    for name, extra in (("plain", {}), ("cached", {"embedding": {"location": location}})):
+        trainer = Trainer(config_from_dict({**base, **extra, "train": {**base["train"],
+                                                                       "output_dir": str(tmp_path / name)}}),
+                          out=io.StringIO())
+        result = trainer.fit()
+        final = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
+        runs[name] = (trainer, result, final)
+    _, plain, plain_final = runs["plain"]
+    assert plain.cache == {} and "cache" not in plain_final
+    trainer, result, final = runs["cached"]
+    caches = trainer.model.sparse_arch.caches
+    assert sorted(result.cache) == sorted(caches) == ["t_feature_0", "t_feature_1"]
+    for name, counters in result.cache.items():
+        stats = caches[name].stats
+        assert counters["lookups"] == stats.lookups > 0 and counters["hits"] == stats.hits
+        assert counters["evictions"] == stats.evictions > 0 and counters["write_backs"] == stats.write_backs
+        assert counters["hit_rate"] == stats.hits / stats.lookups
+        assert counters["store_bytes_read"] == caches[name].store.bytes_read > 0
+    assert final["cache"] == json.loads(json.dumps(result.cache))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _print_result(result)
+    line = [text for text in out.getvalue().splitlines() if text.startswith("embedding cache: ")]
+    assert len(line) == 1 and f"t_feature_0 hit rate {result.cache['t_feature_0']['hit_rate']:.1%}" in line[0]
+
+
 def test_location_config_resolves_per_table_and_rejects_mistakes():
     from neorec.config import load_config
 
