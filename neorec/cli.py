@@ -93,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train on N local processes (sharded embeddings, data-parallel MLPs; "
                        "data.batch_size is per process); under torchrun the world comes from torchrun")
     train.add_argument("--plan", metavar="FILE.json|auto",
-                       help="sharding plan for multi-process training: a plan file (from `neorec plan --out`), "
-                       "or 'auto' to run the cost-model planner for the live world (default: a balanced "
-                       "table-wise / row-wise plan)")
+                       help="sharding plan for multi-process training: a plan file (from `neorec plan --out`; "
+                       "its tables' storage tiers place them, with [embedding.location]'s cache settings), "
+                       "or 'auto' to run the cost-model planner for the live world on the device tier "
+                       "(default: a balanced table-wise / row-wise plan)")
     train.add_argument("--resume", metavar="DIR",
                        help="continue from a checkpoint, data position included, on any world size or plan: "
                        "DIR is a checkpoint.dir (its newest complete checkpoint) or one step-N directory in "
