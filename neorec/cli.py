@@ -304,6 +304,12 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
             check_plan_nodes(plan, ranks_per_node)
             check_plan_tables(plan, cfg.data.table_names())
             plan.check_replicas_on_device().check_precision(cfg.embedding.storage.precision)
+            replicas_off = [name for name, entry in plan.tables.items() if entry.sharding_type.value == "data_parallel"
+                            and cfg.embedding.location.known_kind(name) not in (None, "device")]
+            if replicas_off:  # (a location that depends on a table's rows: the ranks refuse it)
+                raise ValueError(f"sharding plan: data-parallel tables {replicas_off} are placed off the device by "
+                                 f"[embedding.location]; every rank would hold a whole replica in a store of its own: "
+                                 f"keep them on the device (embedding.location.tables) or shard them another way")
             if cfg.embedding.location.prefetch and plan.tiers_off_device():
                 raise ValueError(PREFETCH_SINGLE_PROCESS)
         except ValueError as exc:
@@ -427,7 +433,8 @@ def _print_result(result) -> None:
     if result.cache:
         print("embedding cache: " + "; ".join(
             f"{name} hit rate {c['hit_rate']:.1%} of {c['lookups']:,} lookups, {c['evictions']:,} evictions, "
-            f"{c['write_backs']:,} write-backs" for name, c in result.cache.items()))
+            f"{c['write_backs']:,} write-backs" if c["lookups"] else f"{name} no lookups"
+            for name, c in result.cache.items()))
     if result.metrics_path:
         print(f"metrics log: {result.metrics_path}", flush=True)
 

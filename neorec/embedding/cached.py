@@ -116,6 +116,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         tbe_options: more keyword arguments of the fused module (``ShardedEmbeddingBagCollection``
             passes its data-parallel replicas' ``dense_gradient_tables`` and ``gradient_reducer``;
             those tables must stay on the device).
+        fill_stores: draw the cached tables' initial rows into their stores (False: the caller
+            sets every row with ``init_rows`` before training; a sharded rank does, with the rows
+            of the unsharded model).
 
     Attributes: ``tables``, ``feature_names``, ``embedding_dims``, ``tbe`` (device tables and cache
     slots), ``host_tbe`` (or None), ``caches`` {table: SetAssociativeCache}, ``locations``.
@@ -125,7 +128,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                  storage: StorageConfig = StorageConfig(), locations: Optional[Mapping[str, TableLocation]] = None,
                  device: Optional[torch.device | str] = None, init_seed: int = 0,
                  separate_host_tables: Optional[bool] = None, cache_kernel: str = "auto",
-                 tbe_options: Optional[Mapping[str, object]] = None) -> None:
+                 tbe_options: Optional[Mapping[str, object]] = None, fill_stores: bool = True) -> None:
         super().__init__()
         self.tables: List[TableConfig] = validate_tables(tables)
         names = [t.name for t in self.tables]
@@ -158,6 +161,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
         kind = self.tbe.optimizer.kind
         initial = optimizer.initial_accumulator_value if kind in ("adagrad", "rowwise_adagrad") else 0.0
+        self._initial_state, self._fill_stores = float(initial), fill_stores
         self._state_widths = {t.name: {n: (1 if per == "row" else t.embedding_dim) for n, per in STATE_LAYOUT[kind]}
                               for t in self.tables}
         stores = self._initialize(init_seed, initial, cached)
@@ -285,7 +289,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 def fill(store: RowStore, stream=stream, dim=dim) -> None:
                     store.fill(lambda start, count: stream.take(count * dim).view(count, dim), initial_state)
 
-                stores[table.name] = self._make_store(table, location, fill)
+                stores[table.name] = self._make_store(table, location, fill if self._fill_stores else None)
                 continue
             module = self.host_tbe if self.host_tbe is not None and table.name in self._host_names() else self.tbe
             index = [t.name for t in module.tables].index(table.name)
@@ -547,6 +551,19 @@ class CachedEmbeddingBagCollection(nn.Module):
         for field, value in cache.state.items():
             state[field][rows] = value[valid].cpu()
         return state
+
+    @torch.no_grad()
+    def init_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Set rows ``start ..`` of cached table ``name`` as initial rows, before it trains: rounded
+        to nearest into the store (as its own fill does), optimizer state at its initial value,
+        access counts 0; the table's cache must hold none of them."""
+        cache = self._cache_of(name)
+        if bool(((cache.slot_rows >= start) & (cache.slot_rows < start + rows.shape[0])).any()):
+            raise RuntimeError(f"init_rows({name!r}): some of rows {start}.. are in the cache; initialise "
+                               "rows before training")
+        cache.store.write_range(start, rows.to("cpu", torch.float32).contiguous(),
+                                {n: torch.full((rows.shape[0], w), self._initial_state)
+                                 for n, w in cache.store.format.state})
 
     def resident(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """(rows, slots) of cached table ``name``'s resident rows: ``SetAssociativeCache.resident``."""

@@ -163,11 +163,13 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
             f"{list(settings.tiers)}, {list(settings.precisions)}")
     options: List[ShardOption] = []
     tightest: Tuple[float, str] | None = None
+    replicas_skipped = False
     for tier in tiers:
         for precision in precisions:
             for kind, pieces, placement in layouts:
                 if kind == ShardingType.DATA_PARALLEL and tier != "device":
-                    continue  # a whole replica in every rank's store: training refuses it (check_replicas_on_device)
+                    replicas_skipped = True  # a whole replica in every rank's store: training refuses it
+                    continue
                 cost, memory = piece_cost(table, kind, pieces, tier, precision, topo, settings)
                 ratio, why = capacity.shortfall(memory)
                 if ratio <= 1.0:
@@ -179,5 +181,6 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
         raise InfeasiblePlanError(
             f"table {table.name!r} ({table.num_rows:,} rows x {table.dim} = {total:,} parameters) fits no rank of "
             f"topology {topo.name!r} ({topo.world_size} ranks) with tiers {list(tiers)} and precisions "
-            f"{list(precisions)}; tightest limit: {tightest[1] if tightest else 'none'}")
+            f"{list(precisions)}; tightest limit: "
+            f"{tightest[1] if tightest else 'data_parallel is offered on the device tier only' if replicas_skipped else 'none'}")
     return options

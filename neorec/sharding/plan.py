@@ -20,7 +20,8 @@ What a sharding type allows:
 - DATA_PARALLEL: a replica on every rank: no shards listed (or one full shard per rank).
 
 ``precision`` (optional, per table) is kept for the planner; a sharded collection today stores all
-tables of a rank in one fused module and so one precision (see ``sharded_collection.py``).
+tables of a rank in one fused module and so one precision (see ``sharded_collection.py``), except
+tables on a cached tier, whose precision is their stores' (``plan_locations`` in the trainer).
 ``tier`` (optional, per table, default "device") is the planner's storage tier ("device",
 "cached_dram", "dram", "cached_ssd"), the location kinds of ``neorec/embedding/locations.py``:
 sharded training places a table with another tier than "device" there (the trainer takes the
@@ -40,6 +41,7 @@ from neorec.embedding.config import TableConfig
 from neorec.planner.names import TIERS
 
 DEVICE_TIER = "device"
+CACHED_TIERS = ("cached_dram", "cached_ssd")  # a table's plan precision is its store's there
 
 
 class ShardingType(str, Enum):
@@ -258,8 +260,11 @@ class ShardingPlan:
 
     def check_precision(self, precision: str) -> "ShardingPlan":
         """No table asks for another storage precision than ``precision`` (one rank's fused module
-        holds one precision). Returns self."""
+        holds one precision), but those planned on a cached tier: their precision is their store's
+        (the cache in front is fp32). Returns self."""
         for name, entry in self.tables.items():
+            if entry.tier in CACHED_TIERS:
+                continue
             if entry.precision is not None and entry.precision != precision:
                 raise ValueError(
                     f"sharding plan: table {name!r} asks for precision {entry.precision!r} but the embeddings are "

@@ -69,6 +69,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             default fp32 both ways).
         locations: {table name: TableLocation} of tables off the device (see the module doc);
             tables not named stay on the device.
+        initialize: draw the pieces in stores (cached tables) as tables of their own; False: the
+            caller sets every piece next (``load_initial_weights`` or ``load_table_weight`` of every
+            table), so their stores are not written twice.
 
     Attributes:
         feature_names / embedding_dims: output keys and widths (as ``EmbeddingBagCollection``).
@@ -90,6 +93,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         comm_stats: Optional[CommStats] = None,
         comm: Optional[CommConfig] = None,
         locations: Optional[Dict[str, TableLocation]] = None,
+        initialize: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -114,7 +118,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         fused, cached = None, None
         if local_tables and local_locations:
             cached = CachedEmbeddingBagCollection(local_tables, optimizer, storage, locations=local_locations,
-                                                  device=self.device, init_seed=init_seed, tbe_options=options)
+                                                  device=self.device, init_seed=init_seed, tbe_options=options,
+                                                  fill_stores=initialize)
         elif local_tables:
             fused = TableBatchedEmbeddingBags(local_tables, optimizer, storage, device=self.device,
                                               init_seed=init_seed, **options)
@@ -244,7 +249,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def load_table_weight(self, name: str, weight: torch.Tensor) -> None:
         """Copy this rank's pieces (and replica) of table ``name`` from the full ``weight``
-        [rows, dim]. Local: every rank calls it with the same full table."""
+        [rows, dim], as initial rows (before training: pieces in stores get their optimizer state
+        reset to its initial value, ``init_rows``). Local: every rank calls it with the same full
+        table."""
         table = self._table(name)
         if tuple(weight.shape) != (table.num_embeddings, table.embedding_dim):
             raise ValueError(f"load_table_weight({name!r}): expected shape "
@@ -254,9 +261,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 s = piece.shard
                 part = weight[s.row_start : s.row_end, s.col_start : s.col_end]
                 if self.cached is not None and piece.config.name in self.cached.caches:
-                    for lo in range(0, s.num_rows, 1 << 16):  # into its store (and any resident slot)
-                        rows = torch.arange(lo, min(lo + (1 << 16), s.num_rows))
-                        self.cached.write_rows(piece.config.name, rows, part[lo : lo + rows.numel()].cpu())
+                    for lo in range(0, s.num_rows, 1 << 16):  # into its store, as its initial rows
+                        self.cached.init_rows(piece.config.name, lo, part[lo : lo + (1 << 16)])
                 elif self.cached is not None:
                     self.cached._module_of(piece.config.name).set_table_weight(piece.config.name, part)
                 else:
@@ -296,7 +302,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Rows ``start ..`` of local table ``name`` (a piece or a replica) = ``rows`` (fp32), rounded
         to nearest into fp16 / bf16 storage (as ``set_table_weight``), or written to its store."""
         if self.cached is not None and name in self.cached.caches:
-            self.cached.write_rows(name, torch.arange(start, start + rows.shape[0]), rows.contiguous())
+            self.cached.init_rows(name, start, rows)
             return
         module = self.cached._module_of(name) if self.cached is not None else self.tbe
         t = module._table(name)

@@ -65,8 +65,9 @@ class TrainResult:
     metrics_path: Optional[str] = None
     first_step: int = 0  # the step this run started from (resumed: the checkpoint's); samples and
     # seconds count this run's steps only, ``steps`` is the total
-    cache: Dict[str, Dict[str, float]] = field(default_factory=dict)  # per cached table: CACHE_COUNTERS
-    # summed over its pieces and ranks, and hit_rate; empty without cached tables
+    cache: Dict[str, Dict[str, Optional[float]]] = field(default_factory=dict)  # per cached table:
+    # CACHE_COUNTERS summed over its pieces and ranks, and hit_rate (None without lookups); empty
+    # without cached tables
 
 
 CACHE_COUNTERS = ("lookups", "hits", "evictions", "write_backs", "store_bytes_read", "store_bytes_written")
@@ -125,16 +126,19 @@ def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_ar
 
 def plan_locations(cfg: Config, tables, plan) -> Optional[Dict[str, TableLocation]]:
     """Where a sharded run puts each table: the plan's tier when it is not "device" (the planner
-    chose it), else ``[embedding.location]``'s kind, with that section's cache and store settings;
-    None when every table stays on the device."""
+    chose it), else ``[embedding.location]``'s kind, with that section's cache and store settings
+    (a cached tier's store takes the plan's precision when it names one); None when every table
+    stays on the device."""
     planned = plan.tiers_off_device()
     if not planned and not cfg.embedding.location.any_off_device(tables):
         return None
     locations = cfg.embedding.location.resolve(tables, ssd_dir_of(cfg))
     ssd = Path(ssd_dir_of(cfg))
     for name, tier in planned.items():
+        precision = plan.tables[name].precision if tier in ("cached_dram", "cached_ssd") else None
         locations[name] = dataclasses.replace(locations[name], kind=tier,
-                                              path=str(ssd / name) if tier == "cached_ssd" else "")
+                                              path=str(ssd / name) if tier == "cached_ssd" else "",
+                                              precision=precision or locations[name].precision)
     return locations
 
 
@@ -312,7 +316,7 @@ class Trainer:
         collection = ShardedEmbeddingBagCollection(
             tables, self.plan, context.embedding_group, cfg.embedding.optimizer, cfg.embedding.storage,
             device=self.device, init_seed=cfg.train.seed, comm_stats=comm_stats, comm=cfg.embedding.comm,
-            locations=locations)
+            locations=locations, initialize=False)  # set next, from the unsharded model's stream
         collection.load_initial_weights(cfg.train.seed)
         return collection
 
@@ -577,7 +581,8 @@ class Trainer:
             row = totals[name]
             if row[-1] > 0:
                 counters = {key: int(value) for key, value in zip(CACHE_COUNTERS, row)}
-                counters["hit_rate"] = counters["hits"] / counters["lookups"] if counters["lookups"] else float("nan")
+                # None without lookups (a resumed run with nothing left to train): JSON has no NaN
+                counters["hit_rate"] = counters["hits"] / counters["lookups"] if counters["lookups"] else None
                 out[name] = counters
         return out
 

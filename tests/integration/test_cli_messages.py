@@ -105,6 +105,13 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
         assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(tmp_path / f"{change}.json")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+    entries = json.loads(plan.read_text())
+    entries["tables"][sorted(entries["tables"])[0]].update({"sharding_type": "data_parallel", "shards": []})
+    (tmp_path / "replica.json").write_text(json.dumps(entries))
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(tmp_path / "replica.json"),
+                 "--set", "embedding.location.default='cached_dram'"]) == 2
+    err = capsys.readouterr().err  # each rank said it
+    assert err.count("\n") == 1 and "data-parallel tables ['t_feature_0'] are placed off the device by" in err, err
     missing = tmp_path / "day_0.tsv"  # each rank said it, after ~10 s of starting
     assert main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), "--nproc", "2",
                  "--set", f"data.criteo.train_path={missing}"]) == 2

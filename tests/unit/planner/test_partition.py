@@ -372,3 +372,7 @@ def test_data_parallel_is_offered_on_the_device_tier_only():
     dram_only = plan_tables([TableSpec(f"t{i}", 100, 8, 1.0) for i in range(6)], topo,
                             PlanSettings(batch_size=16, tiers=("dram",)), time_limit=0)
     assert dram_only.plan.check_replicas_on_device() is dram_only.plan
+
+    only_replicas = TableSpec("t", 1000, 8, 2.0, sharding_types=("data_parallel",))
+    with pytest.raises(InfeasiblePlanError, match="data_parallel is offered on the device tier only"):
+        enumerate_options(only_replicas, topo, PlanSettings(batch_size=16, tiers=("dram",)))

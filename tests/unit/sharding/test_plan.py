@@ -240,3 +240,24 @@ def test_ids_of_every_feature_are_checked_before_the_exchange_is_launched(featur
     kjt = KeyedJaggedTensor(keys, torch.tensor([values[k] for k in keys]), torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=rf"feature '{feature}' \(table '{table}'\): id 99 is outside"):
         input_dist_module.input_dist(routing, 0, kjt, None)
+
+
+def test_a_cached_tier_takes_the_plans_precision_into_its_store():
+    """`neorec plan --tiers cached_dram --precisions fp16` wrote tables (cached_dram, fp16) that no
+    setting could train: the plan's fp16 was compared with the fused module's precision (fp32, which
+    cached tables need), and fp16 storage refused the cached tables."""
+    from neorec.config import load_config
+    from neorec.train.trainer import plan_locations
+
+    plan = replace(replace(good_plan(), "a", TablePlan("row_wise", good_plan().tables["a"].shards, precision="fp16",
+                                                         tier="cached_dram")),
+                   "b", TablePlan("column_wise", good_plan().tables["b"].shards, precision="fp16", tier="dram"))
+    with pytest.raises(ValueError, match="table 'b' asks for precision 'fp16'"):  # dram: the host module's
+        plan.check_precision("fp32")
+    plan = replace(plan, "b", TablePlan("column_wise", good_plan().tables["b"].shards, tier="dram"))
+    assert plan.check_precision("fp32") is plan  # a's fp16 is its store's
+    cfg = load_config(None, ["embedding.location.precision='int8'"])
+    locations = plan_locations(cfg, TABLES, plan)
+    assert (locations["a"].kind, locations["a"].precision) == ("cached_dram", "fp16")
+    assert (locations["b"].kind, locations["b"].precision) == ("dram", "int8")  # the config's (unused by dram)
+    assert locations["c"].kind == "device"

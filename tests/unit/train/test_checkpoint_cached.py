@@ -274,3 +274,20 @@ def test_an_increment_of_a_table_no_step_trained_writes_no_rows(row_bits):
     assert set(entries) == {"a", "c"}
     assert entries["a"]["num_rows_written"] == 2 and entries["c"]["num_rows_written"] == 0
     assert entries["a"]["rows"] == [3, 18] and entries["c"]["rows"] == [0, 0]
+
+
+def test_a_resume_with_nothing_left_to_train_reports_caches_without_lookups(tmp_path, capsys):
+    """Only the evaluation ran, which counts no lookup: the hit rate was NaN, which the metrics log
+    (strict JSON) refused, so the run failed after restoring."""
+    from neorec.cli import _print_result
+
+    settings = located(tmp_path, "cached_dram")
+    make_trainer(tmp_path, *settings, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()
+    resumed = make_trainer(tmp_path, *settings, "train.max_steps=3", resume=str(tmp_path / "ckpt"), name="resumed")
+    result = resumed.fit()
+    assert result.steps == 3 and sorted(result.cache) == ["t_feature_1", "t_feature_2"]
+    assert all(c["lookups"] == 0 and c["hit_rate"] is None for c in result.cache.values())
+    final = json.loads((tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["cache"]["t_feature_1"]["hit_rate"] is None
+    _print_result(result)
+    assert "embedding cache: t_feature_1 no lookups; t_feature_2 no lookups" in capsys.readouterr().out
