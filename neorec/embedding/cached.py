@@ -241,7 +241,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         if location.kind == "cached_dram":
             store = DramRowStore(table.num_embeddings, table.embedding_dim, location.precision, state, counts,
                                  location.stochastic_rounding, _store_seed(location.seed, table.name), name=table.name)
-            fill(store)
+            if fill is not None:  # (None: the caller sets every row, init_rows)
+                fill(store)
             return store
         budget = location.resident_budget_mb << 20
         if location.open_existing:

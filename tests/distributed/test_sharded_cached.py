@@ -87,7 +87,8 @@ def test_a_plan_tier_needs_a_location_of_that_kind(tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [[], ["embedding.storage.precision='fp16'"], CACHED,
-                                       [*CACHED, "embedding.location.precision='fp16'"]])
+                                       [*CACHED, "embedding.location.precision='fp16'"],
+                                       [*CACHED, "embedding.location.default='cached_dram'"]])
 def test_each_rank_builds_its_own_pieces_equal_to_the_single_process_model(tmp_path, overrides):
     """A sharded Trainer no longer builds the whole model on every rank before sharding it: its
     pieces (column, row, data-parallel; on the device, in fp16, or in fp32 or fp16 stores) are drawn
