@@ -59,7 +59,6 @@ class PieceHolder:
     relative to the piece's first row; values are fp32 [K, cols] rows and the optimizer state
     ({name: [K] row-wise or [K, cols]})."""
 
-    chunk_rows: Optional[int] = None  # None: saved and restored whole; else this many rows at a time
     optimizer_kind: str
 
     def track(self) -> None:
