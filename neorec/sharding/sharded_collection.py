@@ -300,7 +300,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _set_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
         """Rows ``start ..`` of local table ``name`` (a piece or a replica) = ``rows`` (fp32), rounded
-        to nearest into fp16 / bf16 storage (as ``set_table_weight``), or written to its store."""
+        to nearest into fp16 / bf16 storage (as ``set_table_weight``); a piece in a store gets them as
+        its initial rows (``init_rows``: rounded to nearest, optimizer state at its initial value)."""
         if self.cached is not None and name in self.cached.caches:
             self.cached.init_rows(name, start, rows)
             return
