@@ -52,7 +52,7 @@ import torch
 from neorec.config import config_from_dict
 from neorec.data.synthetic import ZipfSampler
 from neorec.embedding.cache import SetAssociativeCache
-from neorec.embedding.cached import cached_collections, with_prefetch
+from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
 from neorec.embedding.storage import DramRowStore
 
 CACHE_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.25, 0.50)

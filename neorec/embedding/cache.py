@@ -451,19 +451,20 @@ class SetAssociativeCache:
         positions = (held_rows.index_select(0, at) == ids).nonzero().squeeze(1)
         return positions, held_slots.index_select(0, at.index_select(0, positions)).to(self.device)
 
-    def read(self, ids: torch.Tensor, resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-             ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def read(self, ids: torch.Tensor, resident: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+             with_state: bool = True) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """(rows [n, dim], state) of the host ids [n] in host memory, as training sees them: from
         the slot when resident (the latest values), else from the store. Changes nothing.
-        ``resident``: this cache's ``resident()``, when the caller reads many chunks."""
+        ``resident``: this cache's ``resident()``, when the caller reads many chunks;
+        ``with_state=False``: the rows only (state {})."""
         self.wait()
         ids = ids.to("cpu", torch.int64)
-        rows, state = self.store.read(ids)
+        rows, state = self.store.read(ids) if with_state else (self.store.read_rows(ids), {})
         positions, slots = self._resident_slots(ids, resident)
         if positions.numel():
             rows[positions] = self.weights.index_select(0, slots).cpu()
-            for name, value in self.state.items():
-                state[name][positions] = value.index_select(0, slots).cpu()
+            for name in state:
+                state[name][positions] = self.state[name].index_select(0, slots).cpu()
         return rows, state
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor, state: Optional[Mapping[str, torch.Tensor]] = None,

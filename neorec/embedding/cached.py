@@ -31,7 +31,6 @@ hold only the device tables and cache slots. The trainer's checkpoints cover the
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 import zlib
@@ -48,7 +47,8 @@ from neorec.embedding.locations import TableLocation
 from neorec.embedding.optimizers import STATE_LAYOUT, state_views
 from neorec.embedding.ssd_store import SsdRowStore
 from neorec.embedding.storage import DramRowStore, RowStore
-from neorec.embedding.tbe import _INIT_CHUNK, TableBatchedEmbeddingBags
+from neorec.embedding.init_stream import INIT_CHUNK, InitStream
+from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
@@ -56,34 +56,6 @@ from neorec.sparse.keyed import KeyedTensor
 def _store_seed(seed: int, table: str) -> int:
     """The rounding seed of table ``table``'s store: tables of one location seed draw unrelated noise."""
     return (int(seed) * 1_000_003 + zlib.crc32(table.encode())) % 2**63
-
-
-class _InitStream:
-    """The values ``TableBatchedEmbeddingBags`` draws to initialise one table (uniform in
-    +-sqrt(1/rows), ``_INIT_CHUNK`` elements per draw from the table start), handed out in any
-    slices, so that a table initialised in a row store equals the one an uncached module makes."""
-
-    def __init__(self, generator: torch.Generator, table: TableConfig) -> None:
-        self.generator, self.bound = generator, (1.0 / table.num_embeddings) ** 0.5
-        self.remaining = table.num_embeddings * table.embedding_dim
-        self.buffer = torch.empty(0)
-
-    def take(self, count: int) -> torch.Tensor:
-        parts, need = [], count
-        while need:
-            if self.buffer.numel() == 0:
-                size = min(_INIT_CHUNK, self.remaining)
-                self.buffer = torch.empty(size).uniform_(-self.bound, self.bound, generator=self.generator)
-                self.remaining -= size
-            part, self.buffer = self.buffer[:need], self.buffer[need:]
-            parts.append(part)
-            need -= part.numel()
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def skip(self) -> None:
-        while self.remaining:
-            self.take(min(_INIT_CHUNK, self.remaining))
-        self.buffer = torch.empty(0)
 
 
 class _UpdateGuard(torch.autograd.Function):
@@ -278,7 +250,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         stores: Dict[str, RowStore] = {}
         cached_names = {t.name for t in cached}
         for table in self.tables:
-            stream = _InitStream(generator, table)
+            stream = InitStream(generator, table)
             location = self.locations[table.name]
             if table.name in cached_names:
                 if location.kind == "cached_ssd" and location.open_existing:
@@ -295,8 +267,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             module = self.host_tbe if self.host_tbe is not None and table.name in self._host_names() else self.tbe
             index = [t.name for t in module.tables].index(table.name)
             offset, total = module.table_offsets[index], table.num_embeddings * table.embedding_dim
-            for start in range(0, total, _INIT_CHUNK):
-                block = stream.take(min(_INIT_CHUNK, total - start))
+            for start in range(0, total, INIT_CHUNK):
+                block = stream.take(min(INIT_CHUNK, total - start))
                 module.weights[offset + start : offset + start + block.numel()].copy_(block)
         return stores
 
@@ -527,14 +499,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         if name not in self.caches:
             return self._module_of(name).get_table_weight(name, device="cpu")
         cache = self.caches[name]
-        cache.wait()
+        resident = cache.resident()
         out = torch.empty(table.num_embeddings, table.embedding_dim)
-        step = 1 << 16
-        for start in range(0, table.num_embeddings, step):
-            ids = torch.arange(start, min(start + step, table.num_embeddings))
-            out[start : start + ids.numel()] = cache.store.read_rows(ids)
-        valid = cache.slot_rows >= 0
-        out[cache.slot_rows[valid].cpu()] = cache.weights[valid].cpu()
+        for ids in torch.arange(table.num_embeddings).split(1 << 16):  # bounded store reads
+            out[ids[0] : ids[-1] + 1] = cache.read(ids, resident, with_state=False)[0]
         return out
 
     @torch.no_grad()
@@ -544,14 +512,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         table = self._check_table(name)
         if name not in self.caches:
             return self._module_of(name).get_optimizer_state(name, device="cpu")
-        cache = self.caches[name]
-        cache.wait()
-        state = cache.store.read_state(torch.arange(table.num_embeddings))
-        valid = cache.slot_rows >= 0
-        rows = cache.slot_rows[valid].cpu()
-        for field, value in cache.state.items():
-            state[field][rows] = value[valid].cpu()
-        return state
+        return self.caches[name].read(torch.arange(table.num_embeddings))[1]
 
     @torch.no_grad()
     def init_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
@@ -617,12 +578,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         """How many rows ``take_modified_rows(name)`` would return (the marks stay)."""
         self._check_table(name)
         if name not in self.caches:
-            module = self._module_of(name)
-            if module.modified_rows is None:
-                raise ValueError("count_modified_rows: call track_modified_rows() first")
-            t = module._table(name)
-            return int(module.modified_rows[module.table_row_offsets[t] : module.table_row_offsets[t]
-                                            + module.table_rows[t]].sum())
+            return self._module_of(name).count_modified_rows(name)
         if self._modified is None:
             raise ValueError("count_modified_rows: call track_modified_rows() first")
         return int(self._modified[name].sum())
@@ -645,33 +601,3 @@ class CachedEmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         placed = {n: loc.kind for n, loc in self.locations.items() if loc.kind != "device"}
         return f"locations={placed}"
-
-
-def cached_collections(model: nn.Module) -> List[CachedEmbeddingBagCollection]:
-    """Every ``CachedEmbeddingBagCollection`` inside ``model``."""
-    return [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
-
-
-def with_prefetch(items, model: nn.Module, sparse_of=lambda batch: batch.sparse, max_items: Optional[int] = None):
-    """Yield ``items`` (batches, or anything ``sparse_of`` maps to a KeyedJaggedTensor) one ahead:
-    before item ``i`` is yielded, the cached collections of ``model`` are told to prefetch the rows
-    of item ``i + 1`` (loaded while ``i`` trains). At most ``max_items`` are yielded and nothing is
-    prefetched past them (a prefetch moves rows in the cache, and rounds those it evicts into a
-    low-precision store). Item ``i + 1`` failing to load is raised after item ``i`` has been used.
-    Without cached tables items pass through."""
-    collections = [c for c in cached_collections(model) if c.caches]
-    iterator = iter(items) if max_items is None else itertools.islice(items, max_items)  # none past max_items
-    current = next(iterator, None)
-    while current is not None:
-        following, error = None, None
-        try:
-            following = next(iterator, None)
-        except Exception as exc:
-            error = exc
-        if following is not None:
-            for collection in collections:
-                collection.prefetch(sparse_of(following))
-        yield current
-        if error is not None:
-            raise error
-        current = following

@@ -47,12 +47,12 @@ from neorec.embedding.memory import empty_huge
 from neorec.embedding.native_path import NativePath
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
+from neorec.embedding.init_stream import INIT_CHUNK, InitStream
 from neorec.embedding.replicas import ReplicaGradients
 from neorec.embedding.triton_path import TritonPath
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
 
-_INIT_CHUNK = 1 << 22  # elements generated per uniform_ call at init (bounds the fp32 temp)
 _CHUNK_BYTES = 1 << 22  # at most this many bytes of aggregated fp32 row gradients at a time
 
 
@@ -215,29 +215,31 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _initialize(self, weights: torch.Tensor, seed: int) -> None:
         generator = torch.Generator().manual_seed(int(seed))
         for table, offset in zip(self.tables, self.table_offsets):
-            bound = (1.0 / table.num_embeddings) ** 0.5
-            end = offset + table.num_embeddings * table.embedding_dim
-            for start in range(offset, end, _INIT_CHUNK):
-                block = torch.empty(min(_INIT_CHUNK, end - start), dtype=torch.float32)
-                weights[start : start + block.numel()] = block.uniform_(-bound, bound, generator=generator)
+            stream, total = InitStream(generator, table), table.num_embeddings * table.embedding_dim
+            for start in range(0, total, INIT_CHUNK):
+                block = stream.take(min(INIT_CHUNK, total - start))
+                weights[offset + start : offset + start + block.numel()] = block
+
+    def table_view(self, name: str) -> torch.Tensor:
+        """[num_embeddings, embedding_dim] view (no copy) of table ``name`` in the storage dtype;
+        writing into it (``copy_`` of fp32 values) rounds to nearest, as ``set_table_weight``."""
+        t = self._table(name)
+        rows, dim = self.table_rows[t], self.table_dims[t]
+        return self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim].view(rows, dim)
 
     def get_table_weight(self, name: str, device: Optional[torch.device | str] = None) -> torch.Tensor:
         """fp32 copy [num_embeddings, embedding_dim] of table ``name`` (on ``device``, default the module's)."""
-        t = self._table(name)
-        rows, dim = self.table_rows[t], self.table_dims[t]
-        flat = self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim]
-        table = flat.view(rows, dim)
+        table = self.table_view(name)
         return table.to(torch.float32, copy=True) if device is None else table.to(device, torch.float32, copy=True)
 
     def set_table_weight(self, name: str, weight: torch.Tensor) -> None:
         """Overwrite table ``name`` with ``weight`` [num_embeddings, embedding_dim] (rounded to
         nearest when the storage is fp16/bf16)."""
-        t = self._table(name)
-        rows, dim = self.table_rows[t], self.table_dims[t]
-        if tuple(weight.shape) != (rows, dim):
-            raise ValueError(f"set_table_weight({name!r}): expected shape {(rows, dim)}, got {tuple(weight.shape)}")
+        table = self.table_view(name)
+        if tuple(weight.shape) != tuple(table.shape):
+            raise ValueError(f"set_table_weight({name!r}): expected shape {tuple(table.shape)}, got {tuple(weight.shape)}")
         with torch.no_grad():
-            self.weights[self.table_offsets[t] : self.table_offsets[t] + rows * dim].copy_(weight.reshape(-1))
+            table.copy_(weight)
 
     def get_optimizer_state(self, name: str, device: Optional[torch.device | str] = None) -> Dict[str, torch.Tensor]:
         """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...} (on
@@ -271,16 +273,23 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.modified_rows = torch.zeros(self.layout.num_rows, dtype=torch.bool, device=self.weights.device) \
             if enabled else None
 
+    def _marks(self, name: str, caller: str) -> torch.Tensor:
+        if self.modified_rows is None:
+            raise ValueError(f"{caller}: call track_modified_rows() first")
+        t = self._table(name)
+        return self.modified_rows[self.table_row_offsets[t] : self.table_row_offsets[t] + self.table_rows[t]]
+
     def take_modified_rows(self, name: str) -> torch.Tensor:
         """[K] int64 ascending rows of table ``name`` updated since tracking started or since this
         table's last take (its marks are cleared)."""
-        if self.modified_rows is None:
-            raise ValueError("take_modified_rows: call track_modified_rows() first")
-        t = self._table(name)
-        marks = self.modified_rows[self.table_row_offsets[t] : self.table_row_offsets[t] + self.table_rows[t]]
+        marks = self._marks(name, "take_modified_rows")
         rows = marks.nonzero().squeeze(1)
         marks.zero_()
         return rows
+
+    def count_modified_rows(self, name: str) -> int:
+        """How many rows ``take_modified_rows(name)`` would return (the marks stay)."""
+        return int(self._marks(name, "count_modified_rows").sum())
 
     def _mark_modified(self, group: DimGroup, rows: torch.Tensor) -> None:
         if self.modified_rows is not None:

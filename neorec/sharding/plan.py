@@ -21,7 +21,7 @@ What a sharding type allows:
 
 ``precision`` (optional, per table) is kept for the planner; a sharded collection today stores all
 tables of a rank in one fused module and so one precision (see ``sharded_collection.py``), except
-tables on a cached tier, whose precision is their stores' (``plan_locations`` in the trainer).
+tables on a cached tier, whose precision is their stores' (``plan_locations``, ``neorec/train/build.py``).
 ``tier`` (optional, per table, default "device") is the planner's storage tier ("device",
 "cached_dram", "dram", "cached_ssd"), the location kinds of ``neorec/embedding/locations.py``:
 sharded training places a table with another tier than "device" there (the trainer takes the

@@ -38,10 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from neorec.devices import concrete_device
-from neorec.embedding.cached import CachedEmbeddingBagCollection, _InitStream
+from neorec.embedding.cached import CachedEmbeddingBagCollection
+from neorec.embedding.init_stream import INIT_CHUNK, InitStream
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.locations import TableLocation
-from neorec.embedding.tbe import _INIT_CHUNK, TableBatchedEmbeddingBags
+from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
 from neorec.sharding.input_dist import LocalBatch, input_dist
 from neorec.sharding.output_dist import OutputPlacement, output_dist
@@ -260,32 +261,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if piece.table.name == name:
                 s = piece.shard
                 part = weight[s.row_start : s.row_end, s.col_start : s.col_end]
-                if self.cached is not None and piece.config.name in self.cached.caches:
-                    for lo in range(0, s.num_rows, 1 << 16):  # into its store, as its initial rows
-                        self.cached.init_rows(piece.config.name, lo, part[lo : lo + (1 << 16)])
-                elif self.cached is not None:
-                    self.cached._module_of(piece.config.name).set_table_weight(piece.config.name, part)
-                else:
-                    self.tbe.set_table_weight(piece.config.name, part)
+                for lo in range(0, s.num_rows, 1 << 16):  # bounded temporaries for pieces in stores
+                    self._set_rows(piece.config.name, lo, part[lo : lo + (1 << 16)])
         if self.plan.tables[name].sharding_type == ShardingType.DATA_PARALLEL:
-            self.tbe.set_table_weight(name, weight)
+            self._set_rows(name, 0, weight)
 
     @torch.no_grad()
     def load_initial_weights(self, init_seed: int) -> None:
         """Set this rank's pieces and replicas to the rows ``EmbeddingBagCollection(tables,
         init_seed=init_seed)`` starts from, without building it: the same random stream is drawn
-        table by table, ``_INIT_CHUNK`` values at a time (tables this rank holds nothing of are drawn
+        table by table (``InitStream``), ``INIT_CHUNK`` values at a time (tables this rank holds nothing of are drawn
         and dropped), and each block's rows go to the pieces they overlap. Local: no collective;
         memory: one block beside the pieces."""
         generator = torch.Generator().manual_seed(int(init_seed))
         replicas = {t.name for t in self.routing.replicas}
         for table in self.tables:
-            stream = _InitStream(generator, table)
+            stream = InitStream(generator, table)
             pieces = [p for p in self.routing.shards_on[self.rank] if p.table.name == table.name]
             if not pieces and table.name not in replicas:
                 stream.skip()
                 continue
-            dim, step = table.embedding_dim, max(1, _INIT_CHUNK // table.embedding_dim)
+            dim, step = table.embedding_dim, max(1, INIT_CHUNK // table.embedding_dim)
             for lo in range(0, table.num_embeddings, step):
                 hi = min(lo + step, table.num_embeddings)
                 block = stream.take((hi - lo) * dim).view(hi - lo, dim)
@@ -306,10 +302,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.cached.init_rows(name, start, rows)
             return
         module = self.cached._module_of(name) if self.cached is not None else self.tbe
-        t = module._table(name)
-        table = module.weights[module.table_offsets[t] : module.table_offsets[t] + module.table_rows[t]
-                               * module.table_dims[t]].view(module.table_rows[t], module.table_dims[t])
-        table[start : start + rows.shape[0]].copy_(rows)
+        module.table_view(name)[start : start + rows.shape[0]].copy_(rows)
 
     @torch.no_grad()
     def full_table_weight(self, name: str) -> torch.Tensor:

@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -52,7 +51,7 @@ import torch.distributed as dist
 
 from neorec.train.checkpoint_config import CheckpointConfig
 from neorec.files import write_atomic
-from neorec.train.checkpoint_files import UnquantizableRowError, load_tensors, save_tensors, sha256_file
+from neorec.train.checkpoint_files import MappedFiles, UnquantizableRowError, load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces, piece_bytes, restore_pieces,
                                             save_pieces)
 from neorec.train.distributed import all_reduce_sums
@@ -458,10 +457,12 @@ class Checkpointer:
         files.close()
         same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
             trainer.plan.to_dict() if trainer.plan is not None else None)
-        for name, module in fused_modules(self.sparse_arch):
+        modules = fused_modules(self.sparse_arch)
+        stochastic = any(module._rounder.stochastic for _, module in modules)
+        saved = load_tensors(path / f"rank{self.rank}.pt") if same_layout and stochastic else {}
+        for name, module in modules:
             module.step.fill_(int(manifest["sparse_step"]))
             if module._rounder.stochastic:
-                saved = load_tensors(path / f"rank{self.rank}.pt") if same_layout else {}
                 key = _rng_key(name, "rounding")
                 if key in saved and module._rounder.set_state(saved[key]):
                     if module._replica_rounder is not None and _rng_key(name, "replica_rounding") in saved:
@@ -484,36 +485,6 @@ class Checkpointer:
         self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "
                   f"batch {batch} of the epoch)")
         return Position(trainer.step, int(manifest["epoch"]), batch)
-
-
-MAPPED_BYTES = 64 << 20  # of checkpoint files mapped at once by a restore (MappedFiles)
-
-
-class MappedFiles:
-    """The tensor files a restore reads (``load_tensors``: memory-mapped), at most ``budget`` bytes
-    of them mapped at once, the least recently used unmapped first. Their mappings are private:
-    they count toward the process's data size (``RLIMIT_DATA``, VmData), so a restore of a table
-    larger than memory, saved in chunk files, must not keep every file mapped. A file is mapped
-    again when needed again (a read of its zip index, not of its data)."""
-
-    def __init__(self, budget: Optional[int] = None) -> None:
-        self.budget = MAPPED_BYTES if budget is None else budget
-        self.mapped: "OrderedDict[Path, Tuple[int, Dict[str, torch.Tensor]]]" = OrderedDict()
-        self.loads = 0
-
-    def tensors(self, path: Path) -> Dict[str, torch.Tensor]:
-        if path in self.mapped:
-            self.mapped.move_to_end(path)
-            return self.mapped[path][1]
-        size = path.stat().st_size
-        while self.mapped and sum(s for s, _ in self.mapped.values()) + size > self.budget:
-            self.mapped.popitem(last=False)
-        self.mapped[path] = (size, load_tensors(path))
-        self.loads += 1
-        return self.mapped[path][1]
-
-    def close(self) -> None:
-        self.mapped.clear()
 
 
 def _rng_key(module: str, generator: str) -> str:

@@ -7,6 +7,7 @@ directory): a crash leaves either the old file or the new one, never a torn one.
 - ``save_tensors(path, tensors)``: a flat ``{name: tensor}`` dict written with ``torch.save`` (to
   memory, then atomically); ``load_tensors`` reads it back with ``torch.load(weights_only=True)``
   (no arbitrary objects are unpickled) and returns the dict.
+- ``MappedFiles``: the files a restore reads, at most ``MAPPED_BYTES`` of them mapped at once.
 - ``sha256_file(path)``: hex digest, read in 1 MiB blocks.
 - ``quantize_rows(x, bits)`` / ``dequantize_rows``: per-row asymmetric min/max quantization of
   x [R, C] fp32 to ``bits`` in {8, 4, 2}: ``scale = (max - min) / (2^bits - 1)``,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -51,6 +53,36 @@ def load_tensors(path: Path) -> Dict[str, torch.Tensor]:
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise ValueError(f"checkpoint file {str(path)!r} does not hold a flat dict of tensors")
     return data
+
+
+MAPPED_BYTES = 64 << 20  # of checkpoint files mapped at once by a restore (MappedFiles)
+
+
+class MappedFiles:
+    """The tensor files a restore reads (``load_tensors``: memory-mapped), at most ``budget`` bytes
+    of them mapped at once, the least recently used unmapped first. Their mappings are private:
+    they count toward the process's data size (``RLIMIT_DATA``, VmData), so a restore of a table
+    larger than memory, saved in chunk files, must not keep every file mapped. A file is mapped
+    again when needed again (a read of its zip index, not of its data)."""
+
+    def __init__(self, budget: Optional[int] = None) -> None:
+        self.budget = MAPPED_BYTES if budget is None else budget
+        self.mapped: "OrderedDict[Path, Tuple[int, Dict[str, torch.Tensor]]]" = OrderedDict()
+        self.loads = 0
+
+    def tensors(self, path: Path) -> Dict[str, torch.Tensor]:
+        if path in self.mapped:
+            self.mapped.move_to_end(path)
+            return self.mapped[path][1]
+        size = path.stat().st_size
+        while self.mapped and sum(s for s, _ in self.mapped.values()) + size > self.budget:
+            self.mapped.popitem(last=False)
+        self.mapped[path] = (size, load_tensors(path))
+        self.loads += 1
+        return self.mapped[path][1]
+
+    def close(self) -> None:
+        self.mapped.clear()
 
 
 def sha256_file(path: Path) -> str:

@@ -116,10 +116,7 @@ class FusedPieces(PieceHolder):
         return self.module().take_modified_rows(piece.local)
 
     def count_modified(self, piece: LocalPiece) -> int:
-        tbe = self.module()
-        t = tbe._table(piece.local)
-        lo = tbe.table_row_offsets[t]
-        return int(tbe.modified_rows[lo : lo + tbe.table_rows[t]].sum())
+        return self.module().count_modified_rows(piece.local)
 
     def read(self, piece, ids, context=None):
         tbe = self.module()

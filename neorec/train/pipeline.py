@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from neorec.data.batch import Batch
-from neorec.embedding.cached import cached_collections
+from neorec.embedding.cache_prefetch import cached_collections
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 

@@ -260,7 +260,7 @@ def test_a_torch_without_a_fused_dense_optimizer_for_the_device_gets_the_plain_o
     """fused=True was passed for CUDA parameters whatever the torch: releases whose fused Adagrad is
     CPU-only raised at the first step of the default config on a GPU."""
     from neorec.config import DenseOptimizerConfig
-    from neorec.train.trainer import make_dense_optimizer
+    from neorec.train.build import make_dense_optimizer
 
     real = torch.optim.Adagrad
 

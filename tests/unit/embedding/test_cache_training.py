@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from neorec.embedding import EmbeddingBagCollection, SparseOptimizerConfig, StorageConfig, TableConfig
-from neorec.embedding.cached import CachedEmbeddingBagCollection, with_prefetch
+from neorec.embedding.cache_prefetch import with_prefetch
+from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.locations import TableLocation
 from neorec.embedding.ssd_store import SsdRowStore
 from neorec.sparse import KeyedJaggedTensor

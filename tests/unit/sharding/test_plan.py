@@ -247,7 +247,7 @@ def test_a_cached_tier_takes_the_plans_precision_into_its_store():
     setting could train: the plan's fp16 was compared with the fused module's precision (fp32, which
     cached tables need), and fp16 storage refused the cached tables."""
     from neorec.config import load_config
-    from neorec.train.trainer import plan_locations
+    from neorec.train.build import plan_locations
 
     plan = replace(replace(good_plan(), "a", TablePlan("row_wise", good_plan().tables["a"].shards, precision="fp16",
                                                          tier="cached_dram")),

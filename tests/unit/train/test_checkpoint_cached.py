@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from neorec.embedding.cached import CachedEmbeddingBagCollection
-from neorec.train import checkpoint, checkpoint_tables
+from neorec.train import checkpoint_files, checkpoint_tables
 from neorec.train.checkpoint import verify_checkpoint
 from tests.unit.train.test_checkpoint import assert_identical, checkpoint_args, make_trainer
 
@@ -163,16 +163,16 @@ def test_a_cached_table_is_saved_in_chunks_of_rows_each_file_verified(tmp_path, 
     assert json.loads((path / "rank0.json").read_text())["files"][0]["file"] == "rank0.pt"
     reference = make_trainer(tmp_path, *settings, "train.max_steps=8", name="ref")
     reference.fit()
-    monkeypatch.setattr(checkpoint, "MAPPED_BYTES", 1)  # one file mapped at a time
+    monkeypatch.setattr(checkpoint_files, "MAPPED_BYTES", 1)  # one file mapped at a time
     loads = []
-    tensors = checkpoint.MappedFiles.tensors
+    tensors = checkpoint_files.MappedFiles.tensors
 
     def counted(self, file):
         out = tensors(self, file)
         loads.append((file.name, len(self.mapped)))
         return out
 
-    monkeypatch.setattr(checkpoint.MappedFiles, "tensors", counted)
+    monkeypatch.setattr(checkpoint_files.MappedFiles, "tensors", counted)
     resumed = make_trainer(tmp_path, *settings, "train.max_steps=8", resume=str(tmp_path / "ckpt"), name="resumed")
     resumed.fit()
     assert_identical(snapshot(reference), snapshot(resumed))
@@ -245,7 +245,7 @@ def test_a_restore_keeps_its_mapped_files_under_a_budget(tmp_path):
         paths.append(tmp_path / f"f{i}.pt")
         save_tensors(paths[-1], {"x": torch.full((1000,), float(i))})
     size = paths[0].stat().st_size
-    files = checkpoint.MappedFiles(budget=2 * size)
+    files = checkpoint_files.MappedFiles(budget=2 * size)
     for path in (paths[0], paths[1], paths[0], paths[2], paths[3], paths[0]):
         assert files.tensors(path)["x"][0].item() == float(path.name[1])
         assert sum(s for s, _ in files.mapped.values()) <= 2 * size

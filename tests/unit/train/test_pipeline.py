@@ -15,7 +15,7 @@ import torch
 
 from neorec.config import load_config
 from neorec.data.batch import Batch
-from neorec.embedding.cached import cached_collections
+from neorec.embedding.cache_prefetch import cached_collections
 from neorec.model import dense_parameters
 from neorec.train.pipeline import TrainPipeline
 from neorec.train.trainer import Trainer
@@ -194,7 +194,7 @@ def test_profile_writes_timeline(tmp_path):
 def test_with_prefetch_takes_no_item_past_max_items_without_cached_tables(tmp_path):
     """Without cached tables it pulled item max_items + 1 before stopping (raising that item's
     error, if it had one)."""
-    from neorec.embedding.cached import with_prefetch
+    from neorec.embedding.cache_prefetch import with_prefetch
 
     trainer = Trainer(small_config(tmp_path, False), out=io.StringIO())
     pulled = []
