@@ -47,7 +47,7 @@ from neorec.embedding.locations import TableLocation
 from neorec.embedding.optimizers import STATE_LAYOUT, state_views
 from neorec.embedding.ssd_store import SsdRowStore
 from neorec.embedding.storage import DramRowStore, RowStore
-from neorec.embedding.init_stream import INIT_CHUNK, InitStream
+from neorec.embedding.init_stream import TableInit
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sparse.jagged import KeyedJaggedTensor
 from neorec.sparse.keyed import KeyedTensor
@@ -79,7 +79,9 @@ class CachedEmbeddingBagCollection(nn.Module):
     Args:
         tables, optimizer, storage, device, init_seed: as ``EmbeddingBagCollection``. With cached
             tables ``storage.precision`` must be "fp32" (the cache slots are fp32; the store's
-            precision is the location's ``precision``).
+            precision is the location's ``precision``). ``init_seed`` None: nothing is drawn
+            (zeros on the device, stores not filled) for a caller that sets every row next
+            (``init_rows``, a checkpoint restore).
         locations: {table name: TableLocation}; tables not named stay on the device.
         separate_host_tables: put "dram" tables in a second fused module on the CPU (default:
             when ``device`` is not the CPU). Tests set it on a CPU run to check that path.
@@ -88,9 +90,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         tbe_options: more keyword arguments of the fused module (``ShardedEmbeddingBagCollection``
             passes its data-parallel replicas' ``dense_gradient_tables`` and ``gradient_reducer``;
             those tables must stay on the device).
-        fill_stores: draw the cached tables' initial rows into their stores (False: the caller
-            sets every row with ``init_rows`` before training; a sharded rank does, with the rows
-            of the unsharded model).
 
     Attributes: ``tables``, ``feature_names``, ``embedding_dims``, ``tbe`` (device tables and cache
     slots), ``host_tbe`` (or None), ``caches`` {table: SetAssociativeCache}, ``locations``.
@@ -98,9 +97,9 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizerConfig = SparseOptimizerConfig(),
                  storage: StorageConfig = StorageConfig(), locations: Optional[Mapping[str, TableLocation]] = None,
-                 device: Optional[torch.device | str] = None, init_seed: int = 0,
+                 device: Optional[torch.device | str] = None, init_seed: Optional[int] = 0,
                  separate_host_tables: Optional[bool] = None, cache_kernel: str = "auto",
-                 tbe_options: Optional[Mapping[str, object]] = None, fill_stores: bool = True) -> None:
+                 tbe_options: Optional[Mapping[str, object]] = None) -> None:
         super().__init__()
         self.tables: List[TableConfig] = validate_tables(tables)
         names = [t.name for t in self.tables]
@@ -133,7 +132,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
         kind = self.tbe.optimizer.kind
         initial = optimizer.initial_accumulator_value if kind in ("adagrad", "rowwise_adagrad") else 0.0
-        self._initial_state, self._fill_stores = float(initial), fill_stores
+        self._initial_state = float(initial)
         self._state_widths = {t.name: {n: (1 if per == "row" else t.embedding_dim) for n, per in STATE_LAYOUT[kind]}
                               for t in self.tables}
         stores = self._initialize(init_seed, initial, cached)
@@ -243,33 +242,18 @@ class CachedEmbeddingBagCollection(nn.Module):
                 module.step.fill_(next(iter(steps.values())))
 
     @torch.no_grad()
-    def _initialize(self, seed: int, initial_state: float, cached: List[TableConfig]) -> Dict[str, RowStore]:
-        """Draw every table's initial rows in the order an ``EmbeddingBagCollection(tables)`` does,
-        into the fused module(s) or the tables' stores. Returns the stores of cached tables."""
-        generator = torch.Generator().manual_seed(int(seed))
+    def _initialize(self, seed: Optional[int], initial_state: float, cached: List[TableConfig]) -> Dict[str, RowStore]:
+        """The stores of cached tables, filled with their initial rows (``TableInit``: the rows an
+        ``EmbeddingBagCollection(tables)`` starts from; the fused modules drew their own tables'
+        rows from it already) unless reopened or ``seed`` is None (the caller sets every row)."""
         stores: Dict[str, RowStore] = {}
-        cached_names = {t.name for t in cached}
-        for table in self.tables:
-            stream = InitStream(generator, table)
-            location = self.locations[table.name]
-            if table.name in cached_names:
-                if location.kind == "cached_ssd" and location.open_existing:
-                    stores[table.name] = self._make_store(table, location, None)
-                    stream.skip()
-                    continue
-                dim = table.embedding_dim
+        for table in cached:
+            location, fill = self.locations[table.name], None
+            if seed is not None and not (location.kind == "cached_ssd" and location.open_existing):
+                def fill(store: RowStore, init=TableInit(seed, table)) -> None:
+                    store.fill(lambda start, count: init.rows(start, start + count), initial_state)
 
-                def fill(store: RowStore, stream=stream, dim=dim) -> None:
-                    store.fill(lambda start, count: stream.take(count * dim).view(count, dim), initial_state)
-
-                stores[table.name] = self._make_store(table, location, fill if self._fill_stores else None)
-                continue
-            module = self.host_tbe if self.host_tbe is not None and table.name in self._host_names() else self.tbe
-            index = [t.name for t in module.tables].index(table.name)
-            offset, total = module.table_offsets[index], table.num_embeddings * table.embedding_dim
-            for start in range(0, total, INIT_CHUNK):
-                block = stream.take(min(INIT_CHUNK, total - start))
-                module.weights[offset + start : offset + start + block.numel()].copy_(block)
+            stores[table.name] = self._make_store(table, location, fill)
         return stores
 
     def _host_names(self) -> set:

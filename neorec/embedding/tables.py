@@ -46,7 +46,7 @@ class EmbeddingBagCollection(nn.Module):
         storage: StorageConfig = StorageConfig(),
         dense_gradient: bool = False,
         device: Optional[torch.device | str] = None,
-        init_seed: int = 0,
+        init_seed: Optional[int] = 0,
         kernel: str = "auto",
     ) -> None:
         super().__init__()

@@ -47,7 +47,7 @@ from neorec.embedding.memory import empty_huge
 from neorec.embedding.native_path import NativePath
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
-from neorec.embedding.init_stream import INIT_CHUNK, InitStream
+from neorec.embedding.init_stream import TableInit
 from neorec.embedding.replicas import ReplicaGradients
 from neorec.embedding.triton_path import TritonPath
 from neorec.sparse.jagged import KeyedJaggedTensor
@@ -88,7 +88,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             fp32, allocated on first backward) instead of updating; ``apply_dense_gradients()``
             then steps. Meant for small tables (data parallel).
         device: where the buffers live (default CPU).
-        init_seed: seed of the uniform(-sqrt(1/rows), sqrt(1/rows)) init, table by table.
+        init_seed: seed of the uniform(-sqrt(1/rows), sqrt(1/rows)) init (``init_stream.TableInit``:
+            a table's rows depend on the seed, its name and its shape only); None: rows of zeros,
+            for a caller that sets every table next (no values drawn).
         dense_gradient_tables: names of tables held as data-parallel replicas: their rows leave
             the fused update; at the end of every backward their dense gradient (one compact fp32
             buffer) goes to ``gradient_reducer`` (e.g. an all-reduce sum, in place) and the
@@ -107,7 +109,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         storage: StorageConfig = StorageConfig(),
         dense_gradient: bool = False,
         device: Optional[torch.device | str] = None,
-        init_seed: int = 0,
+        init_seed: Optional[int] = 0,
         dense_gradient_tables: Sequence[str] = (),
         gradient_reducer: Optional[Callable[[torch.Tensor], None]] = None,
         kernel: str = "auto",
@@ -149,7 +151,10 @@ class TableBatchedEmbeddingBags(nn.Module):
                              "storage seed: every replica must draw the same rounding noise")
 
         weights = empty_huge(self.layout.num_elements, storage_dtype(self.storage.precision))  # host: init
-        self._initialize(weights, init_seed)
+        if init_seed is None:
+            weights.zero_()
+        else:
+            self._initialize(weights, init_seed)
         self.register_buffer("weights", weights.to(device))
         for name, buffer in create_state(self.optimizer, self.layout.num_rows, self.layout.num_elements, device).items():
             self.register_buffer(name, buffer)
@@ -213,12 +218,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         return self._table_index[name]
 
     def _initialize(self, weights: torch.Tensor, seed: int) -> None:
-        generator = torch.Generator().manual_seed(int(seed))
         for table, offset in zip(self.tables, self.table_offsets):
-            stream, total = InitStream(generator, table), table.num_embeddings * table.embedding_dim
-            for start in range(0, total, INIT_CHUNK):
-                block = stream.take(min(INIT_CHUNK, total - start))
-                weights[offset + start : offset + start + block.numel()] = block
+            dim = table.embedding_dim
+            for row, block in TableInit(seed, table).blocks():
+                weights[offset + row * dim : offset + (row + block.shape[0]) * dim] = block.reshape(-1)
 
     def table_view(self, name: str) -> torch.Tensor:
         """[num_embeddings, embedding_dim] view (no copy) of table ``name`` in the storage dtype;

@@ -31,7 +31,7 @@ the device (each rank would hold a whole replica in its store).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,8 @@ from torch import nn
 
 from neorec.devices import concrete_device
 from neorec.embedding.cached import CachedEmbeddingBagCollection
-from neorec.embedding.init_stream import INIT_CHUNK, InitStream
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
+from neorec.embedding.init_stream import TableInit
 from neorec.embedding.locations import TableLocation
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
@@ -63,16 +63,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer, storage: of the fused module (one precision per rank: a table's plan
             ``precision``, if set, must equal ``storage.precision``).
         device: where this rank's buffers live (its CUDA device under NCCL).
-        init_seed: init of the local module: each piece is drawn as a table of its own, not as the
-            rows of the unsharded table (``load_initial_weights`` or ``shard()`` set those).
+        init_seed: init of the local module: each piece is drawn as a table of its own (named as the
+            piece), not as the rows of the unsharded table (``load_initial_weights`` or ``shard()``
+            set those); None: nothing is drawn (pieces on the device hold zeros, stores are not
+            filled), for a caller that sets every piece next (``load_initial_weights``,
+            ``load_table_weight`` of every table, or a checkpoint restore).
         comm_stats: counts the bytes this rank hands to each collective (optional).
         comm: codecs of the pooled-embedding all-to-all, forward and backward (``qcomm.py``;
             default fp32 both ways).
         locations: {table name: TableLocation} of tables off the device (see the module doc);
             tables not named stay on the device.
-        initialize: draw the pieces in stores (cached tables) as tables of their own; False: the
-            caller sets every piece next (``load_initial_weights`` or ``load_table_weight`` of every
-            table), so their stores are not written twice.
 
     Attributes:
         feature_names / embedding_dims: output keys and widths (as ``EmbeddingBagCollection``).
@@ -90,11 +90,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer: SparseOptimizerConfig = SparseOptimizerConfig(),
         storage: StorageConfig = StorageConfig(),
         device: Optional[torch.device | str] = None,
-        init_seed: int = 0,
+        init_seed: Optional[int] = 0,
         comm_stats: Optional[CommStats] = None,
         comm: Optional[CommConfig] = None,
         locations: Optional[Dict[str, TableLocation]] = None,
-        initialize: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -119,8 +118,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         fused, cached = None, None
         if local_tables and local_locations:
             cached = CachedEmbeddingBagCollection(local_tables, optimizer, storage, locations=local_locations,
-                                                  device=self.device, init_seed=init_seed, tbe_options=options,
-                                                  fill_stores=initialize)
+                                                  device=self.device, init_seed=init_seed, tbe_options=options)
         elif local_tables:
             fused = TableBatchedEmbeddingBags(local_tables, optimizer, storage, device=self.device,
                                               init_seed=init_seed, **options)
@@ -269,30 +267,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def load_initial_weights(self, init_seed: int) -> None:
         """Set this rank's pieces and replicas to the rows ``EmbeddingBagCollection(tables,
-        init_seed=init_seed)`` starts from, without building it: the same random stream is drawn
-        table by table (``InitStream``), ``INIT_CHUNK`` values at a time (tables this rank holds nothing of are drawn
-        and dropped), and each block's rows go to the pieces they overlap. Local: no collective;
-        memory: one block beside the pieces."""
-        generator = torch.Generator().manual_seed(int(init_seed))
+        init_seed=init_seed)`` starts from, without building it: each table's rows come from
+        ``TableInit``, which draws any rows without the ones before them, so this rank draws only
+        the rows its pieces span (all of a replicated or column-wise table, its range of a row-wise
+        one, nothing of a table held elsewhere), a block at a time, and writes each block's rows to
+        the pieces they overlap. Local: no collective; memory: one block beside the pieces."""
         replicas = {t.name for t in self.routing.replicas}
         for table in self.tables:
-            stream = InitStream(generator, table)
             pieces = [p for p in self.routing.shards_on[self.rank] if p.table.name == table.name]
-            if not pieces and table.name not in replicas:
-                stream.skip()
-                continue
-            dim, step = table.embedding_dim, max(1, INIT_CHUNK // table.embedding_dim)
-            for lo in range(0, table.num_embeddings, step):
-                hi = min(lo + step, table.num_embeddings)
-                block = stream.take((hi - lo) * dim).view(hi - lo, dim)
-                if table.name in replicas:
-                    self._set_rows(table.name, lo, block)
-                for piece in pieces:
-                    s = piece.shard
-                    a, b = max(lo, s.row_start), min(hi, s.row_end)
-                    if a < b:
-                        self._set_rows(piece.config.name, a - s.row_start, block[a - lo : b - lo, s.col_start : s.col_end])
-            stream.skip()
+            if table.name in replicas:
+                spans = [(0, table.num_embeddings)]
+            else:
+                spans = sorted((p.shard.row_start, p.shard.row_end) for p in pieces)
+            init = TableInit(init_seed, table)
+            for lo, hi in _merged(spans):
+                for start, block in init.blocks(lo, hi):
+                    end = start + block.shape[0]
+                    if table.name in replicas:
+                        self._set_rows(table.name, start, block)
+                    for piece in pieces:
+                        s = piece.shard
+                        a, b = max(start, s.row_start), min(end, s.row_end)
+                        if a < b:
+                            self._set_rows(piece.config.name, a - s.row_start,
+                                           block[a - start : b - start, s.col_start : s.col_end])
 
     def _set_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
         """Rows ``start ..`` of local table ``name`` (a piece or a replica) = ``rows`` (fp32), rounded
@@ -333,3 +331,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for name, entry in self.plan.tables.items():
             kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
         return f"rank={self.rank}/{self.world_size}, tables by type={kinds}"
+
+
+def _merged(spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """Sorted row ranges merged where they overlap or touch."""
+    merged: List[Tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged

@@ -41,7 +41,7 @@ def shard_collection(collection: EmbeddingBagCollection, plan: ShardingPlan,
                          f"model (optimizer state is not carried over)")
     sharded = ShardedEmbeddingBagCollection(
         collection.tables, plan, process_group, optimizer=tbe.optimizer, storage=tbe.storage,
-        device=tbe.weights.device, comm_stats=comm_stats, comm=comm, locations=locations, initialize=False,
+        device=tbe.weights.device, comm_stats=comm_stats, comm=comm, locations=locations, init_seed=None,
     )  # every piece is set below
     for table in collection.tables:
         sharded.load_table_weight(table.name, tbe.get_table_weight(table.name))

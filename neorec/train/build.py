@@ -36,18 +36,21 @@ def ssd_dir_of(cfg: Config) -> str:
     return str(Path(cfg.train.output_dir) / "embedding_ssd") if cfg.train.output_dir else "embedding_ssd"
 
 
-def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_arch: Optional[torch.nn.Module] = None
-                ) -> DLRM:
+def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_arch: Optional[torch.nn.Module] = None,
+                initial_rows: bool = True) -> DLRM:
     """The DLRM of ``cfg`` over the tables of ``source``, initialised from ``cfg.train.seed``.
     ``sparse_arch``: its embedding collection, built by the caller (a sharded run's
-    ``ShardedEmbeddingBagCollection``, which allocates this rank's pieces only); else built here."""
+    ``ShardedEmbeddingBagCollection``, which allocates this rank's pieces only); else built here.
+    ``initial_rows`` False: no initial rows are drawn for the tables (zeros on the device, row
+    stores not filled): a checkpoint restore sets every row next."""
     torch.manual_seed(cfg.train.seed)  # the dense layers' initial weights: the same whatever the collection
     tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
+    init_seed = cfg.train.seed if initial_rows else None
     if sparse_arch is not None:
         collection = sparse_arch
     elif cfg.embedding.location.any_off_device(tables):  # some tables in DRAM or behind a cache
         collection = CachedEmbeddingBagCollection(
-            tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=cfg.train.seed,
+            tables, cfg.embedding.optimizer, cfg.embedding.storage, device=device, init_seed=init_seed,
             locations=cfg.embedding.location.resolve(tables, ssd_dir_of(cfg)))
     else:
         collection = EmbeddingBagCollection(
@@ -55,7 +58,7 @@ def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_ar
             optimizer=cfg.embedding.optimizer,
             storage=cfg.embedding.storage,
             device=device,
-            init_seed=cfg.train.seed,
+            init_seed=init_seed,
         )
     model = DLRM(
         sparse_arch=collection,

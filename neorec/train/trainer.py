@@ -187,8 +187,11 @@ class Trainer:
 
             comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
-        sparse_arch = self._sharded_collection(plan, comm_stats) if distributed is not None else None
-        self.model = build_model(cfg, self.source, self.device, sparse_arch)
+        # a resumed run's tables get every row from the checkpoint: no initial rows are drawn for
+        # them or written to its row stores (for an SSD store, a write of the whole table)
+        initial_rows = resume is None
+        sparse_arch = self._sharded_collection(plan, comm_stats, initial_rows) if distributed is not None else None
+        self.model = build_model(cfg, self.source, self.device, sparse_arch, initial_rows=initial_rows)
         self.timeline = None
         if cfg.train.profile:
             clock = step_clock(self.device)  # phases and waits on collectives end when their GPU work does
@@ -211,10 +214,11 @@ class Trainer:
             from neorec.train.checkpoint import Checkpointer
             self.checkpointer = Checkpointer(cfg.checkpoint, self)
 
-    def _sharded_collection(self, plan, comm_stats):
+    def _sharded_collection(self, plan, comm_stats, initial_rows: bool):
         """This rank's ``ShardedEmbeddingBagCollection`` of ``plan`` (default: ``default_plan``),
         its pieces placed by ``plan_locations`` and starting from the rows the single-process
-        model starts from (``load_initial_weights``): no rank allocates the whole model."""
+        model starts from (``load_initial_weights``; skipped without ``initial_rows``, when a
+        checkpoint sets them next): no rank allocates the whole model."""
         from neorec.sharding import ShardedEmbeddingBagCollection, default_plan
 
         cfg, context = self.cfg, self.distributed
@@ -227,9 +231,10 @@ class Trainer:
             ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir (the plan's cached_ssd tables)")
         collection = ShardedEmbeddingBagCollection(
             tables, self.plan, context.embedding_group, cfg.embedding.optimizer, cfg.embedding.storage,
-            device=self.device, init_seed=cfg.train.seed, comm_stats=comm_stats, comm=cfg.embedding.comm,
-            locations=locations, initialize=False)  # set next, from the unsharded model's stream
-        collection.load_initial_weights(cfg.train.seed)
+            device=self.device, comm_stats=comm_stats, comm=cfg.embedding.comm, locations=locations,
+            init_seed=None)  # set next: the unsharded model's rows, or a checkpoint's
+        if initial_rows:
+            collection.load_initial_weights(cfg.train.seed)
         return collection
 
     # ------------------------------------------------------------------------------ one step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,12 +77,26 @@ def build_with_locations(rank: int, world: int, group, names, rows, plan_json: s
     return ""
 
 
-def initial_state(rank: int, world: int, group, directory: str, plan_json: str, overrides) -> Dict:
-    """The full tables (gathered) and dense weights of a freshly built distributed Trainer."""
+def initial_state(rank: int, world: int, group, directory: str, plan_json: str, overrides,
+                  init_chunk: Optional[int] = None) -> Dict:
+    """The full tables (gathered) and dense weights of a freshly built distributed Trainer, and
+    under "drawn" {table: [blocks of initial rows this rank drew]}; ``init_chunk`` replaces
+    ``INIT_CHUNK`` (smaller blocks)."""
+    from neorec.embedding import init_stream
     from neorec.sharding import ShardingPlan
     from neorec.train.distributed import DistributedContext
     from neorec.train.trainer import Trainer
 
+    if init_chunk is not None:
+        init_stream.INIT_CHUNK = init_chunk
+    drawn: Dict[str, set] = {}
+    draw = init_stream.TableInit._block
+
+    def recorded(self, k):
+        drawn.setdefault(self.name, set()).add(k)
+        return draw(self, k)
+
+    init_stream.TableInit._block = recorded
     context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
                                  dist.new_group(list(range(world))))
     cfg = small_config(os.path.join(directory, f"run{world}"), 128 // world, 64, overrides)
@@ -90,4 +104,5 @@ def initial_state(rank: int, world: int, group, directory: str, plan_json: str, 
     model = trainer.model.module
     out = {t.name: model.sparse_arch.full_table_weight(t.name) for t in model.sparse_arch.tables}
     out.update({k: v.clone() for k, v in model.state_dict().items() if not k.startswith("sparse_arch")})
+    out["drawn"] = {name: sorted(blocks) for name, blocks in drawn.items()}
     return out

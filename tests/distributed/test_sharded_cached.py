@@ -89,17 +89,26 @@ def test_a_plan_tier_needs_a_location_of_that_kind(tmp_path):
 @pytest.mark.parametrize("overrides", [[], ["embedding.storage.precision='fp16'"], CACHED,
                                        [*CACHED, "embedding.location.precision='fp16'"],
                                        [*CACHED, "embedding.location.default='cached_dram'"]])
-def test_each_rank_builds_its_own_pieces_equal_to_the_single_process_model(tmp_path, overrides):
+def test_each_rank_builds_its_own_pieces_equal_to_the_single_process_model(tmp_path, overrides, monkeypatch):
     """A sharded Trainer no longer builds the whole model on every rank before sharding it: its
-    pieces (column, row, data-parallel; on the device, in fp16, or in fp32 or fp16 stores) are drawn
-    from the single-process model's random stream and start equal to it, bit for bit, as do the dense
-    weights. (fp16 stores: rounded to nearest as one process's fill rounds, not stochastically.)"""
+    pieces (column, row, data-parallel; on the device, in fp16, or in fp32 or fp16 stores) get the
+    single-process model's initial rows and start equal to it, bit for bit, as do the dense weights.
+    (fp16 stores: rounded to nearest as one process's fill rounds, not stochastically.) With blocks
+    of 16 rows (the tables are 8 wide), each rank draws only the blocks its pieces span: the row-wise
+    table's rows 0..100 on rank 0 (blocks 0-6), 100..200 on rank 1 (blocks 6-12); all of the
+    column-wise and data-parallel tables."""
+    from neorec.embedding import init_stream
+
     sharded = run_ranks(checkpoint_workers.initial_state, 2, tmp_path / "ranks",
-                        args=(str(tmp_path), PLAN, overrides))
+                        args=(str(tmp_path), PLAN, overrides, 16 * 8))
+    monkeypatch.setattr(init_stream, "INIT_CHUNK", 16 * 8)
     single = Trainer(small_config(str(tmp_path / "one"), 128, 64, overrides), out=io.StringIO())
     arch = single.model.sparse_arch
     weight = arch.table_weight if hasattr(arch, "caches") else arch.tbe.get_table_weight
-    for result in sharded:
+    for rank, result in enumerate(sharded):
+        drawn = result.pop("drawn")
+        assert drawn[TABLES[0].name] == list(range(4)) and drawn[TABLES[2].name] == [0, 1]
+        assert drawn[TABLES[1].name] == (list(range(7)) if rank == 0 else list(range(6, 13))), drawn
         assert result.keys() == {t.name for t in TABLES} | {k for k in single.model.state_dict()
                                                            if not k.startswith("sparse_arch")}
         for table in TABLES:

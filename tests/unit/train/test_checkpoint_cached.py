@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from neorec.embedding.cached import CachedEmbeddingBagCollection
+from neorec.embedding.init_stream import TableInit
+from neorec.embedding.storage import RowStore
 from neorec.train import checkpoint_files, checkpoint_tables
 from neorec.train.checkpoint import verify_checkpoint
 from tests.unit.train.test_checkpoint import assert_identical, checkpoint_args, make_trainer
@@ -52,9 +54,10 @@ def snapshot(trainer):
 @pytest.mark.parametrize("kind,optimizer,prefetch", [("cached_ssd", "rowwise_adagrad", False),
                                                      ("cached_dram", "adam", False), ("cached_ssd", "sgd", True),
                                                      ("dram", "adagrad", False)])
-def test_resume_of_tables_off_the_device_equals_uninterrupted_training(tmp_path, kind, optimizer, prefetch):
+def test_resume_of_tables_off_the_device_equals_uninterrupted_training(tmp_path, kind, optimizer, prefetch, monkeypatch):
     """(prefetch: the next batch's rows load in a worker thread while a step trains and a
-    checkpoint is saved.)"""
+    checkpoint is saved.) The resumed run neither draws initial rows nor fills its stores with
+    them: the checkpoint sets every row."""
     settings = [*located(tmp_path, kind), f"embedding.optimizer.kind='{optimizer}'",
                 f"embedding.location.prefetch={str(prefetch).lower()}"]
     reference = make_trainer(tmp_path, *settings, "train.max_steps=12", name="ref")
@@ -66,7 +69,11 @@ def test_resume_of_tables_off_the_device_equals_uninterrupted_training(tmp_path,
     assert sorted(n for n, loc in arch.locations.items() if loc.kind != "device") == ["t_feature_1", "t_feature_2"]
     if kind != "dram":  # dirty rows sat in the caches (flushed at the end of fit, after the checkpoint)
         assert all(c.stats.write_backs > 0 for c in arch.caches.values())
+    fills, draws = [], []
+    monkeypatch.setattr(RowStore, "fill", lambda store, *args, **kwargs: fills.append(store))
+    monkeypatch.setattr(TableInit, "_block", lambda init, k: draws.append((init.name, k)))
     resumed = make_trainer(tmp_path, *settings, "train.max_steps=12", resume=str(tmp_path / "ckpt"), name="resumed")
+    assert fills == [] and draws == []
     resumed.fit()
     assert resumed.step == 12
     assert_identical(snapshot(reference), snapshot(resumed))
