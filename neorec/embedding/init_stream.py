@@ -13,8 +13,9 @@ tables or their order. The block size is part of the values (another ``INIT_CHUN
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -22,6 +23,18 @@ import torch
 from neorec.embedding.config import TableConfig
 
 INIT_CHUNK = 1 << 22  # values per block (bounds the fp32 temporary: 16 MiB)
+_observers: List[Callable[[int], None]] = []  # called with the bytes of every block drawn
+
+
+@contextlib.contextmanager
+def observing_draws(callback: Callable[[int], None]) -> Iterator[None]:
+    """Within the ``with``, ``callback(nbytes)`` follows every block of initial rows drawn (fp32
+    bytes): a progress bar for building large models."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
 
 
 def block_rows(dim: int) -> int:
@@ -53,6 +66,8 @@ class TableInit:
             values *= np.float32(2.0) * self.bound
             values -= self.bound
             self._last = (k, values.reshape(rows, self.dim))
+            for observe in _observers:
+                observe(values.nbytes)
         return self._last[1]
 
     def blocks(self, lo: int = 0, hi: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:

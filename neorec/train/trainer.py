@@ -31,6 +31,7 @@ from neorec.data.batch import Batch
 from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
 from neorec.embedding.cached import CachedEmbeddingBagCollection
+from neorec.embedding.init_stream import observing_draws
 from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
 from neorec.model import dense_parameters
 from neorec.train.allocator import reuse_freed_memory
@@ -131,6 +132,7 @@ class MetricsLog:
 
 
 PROGRESS_LINE_SECONDS = 30.0  # progress to a file or pipe: one plain line at most this often
+BUILD_NOTICE_BYTES = 1 << 30  # models with this many bytes of fp32 embedding rows or more say they are building
 
 
 def redraws_lines(out) -> bool:
@@ -190,8 +192,9 @@ class Trainer:
         # a resumed run's tables get every row from the checkpoint: no initial rows are drawn for
         # them or written to its row stores (for an SSD store, a write of the whole table)
         initial_rows = resume is None
-        sparse_arch = self._sharded_collection(plan, comm_stats, initial_rows) if distributed is not None else None
-        self.model = build_model(cfg, self.source, self.device, sparse_arch, initial_rows=initial_rows)
+        with self._build_progress(tables):
+            sparse_arch = self._sharded_collection(plan, comm_stats, initial_rows) if distributed is not None else None
+            self.model = build_model(cfg, self.source, self.device, sparse_arch, initial_rows=initial_rows)
         self.timeline = None
         if cfg.train.profile:
             clock = step_clock(self.device)  # phases and waits on collectives end when their GPU work does
@@ -213,6 +216,29 @@ class Trainer:
         if cfg.checkpoint.dir or resume is not None:
             from neorec.train.checkpoint import Checkpointer
             self.checkpointer = Checkpointer(cfg.checkpoint, self)
+
+    @contextlib.contextmanager
+    def _build_progress(self, tables) -> Iterator[None]:
+        """Building a model of ``BUILD_NOTICE_BYTES`` of embedding rows or more (drawing initial
+        rows, filling row stores) can take minutes: say so. On a terminal, a bar of the initial rows
+        this process draws; to a file, a line before and one after."""
+        total = sum(4 * t.num_embeddings * t.embedding_dim for t in tables)
+        if not (self.cfg.train.progress and self.is_main) or total < BUILD_NOTICE_BYTES:
+            yield
+            return
+        from neorec.planner.enumerate import format_bytes
+
+        terminal, start = redraws_lines(self.out), time.perf_counter()
+        where = f", over {self.world_size} ranks" if self.world_size > 1 else ""
+        if not terminal:
+            print(f"building the model: {len(tables)} tables, {format_bytes(total)} of embedding rows (in fp32{where})",
+                  file=self.out, flush=True)
+        bar = tqdm(unit="B", unit_scale=True, desc="initial rows" + (" of this rank" if where else ""),
+                   disable=not terminal, file=self.out, mininterval=0.5)
+        with bar, observing_draws(bar.update):
+            yield
+        if not terminal:
+            print(f"model built in {time.perf_counter() - start:.1f} s", file=self.out, flush=True)
 
     def _sharded_collection(self, plan, comm_stats, initial_rows: bool):
         """This rank's ``ShardedEmbeddingBagCollection`` of ``plan`` (default: ``default_plan``),

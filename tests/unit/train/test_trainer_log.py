@@ -177,3 +177,26 @@ def test_a_notebook_cell_gets_the_bar_not_plain_lines(tmp_path, monkeypatch):
     assert "\r" in text and "6/6" in text  # tqdm's redrawn bar
     assert "step 3/6: loss " not in text  # and not the plain lines as well
     assert trainer_module.redraws_lines(io.StringIO()) is False
+
+
+def test_building_a_large_model_says_so(tmp_path, monkeypatch):
+    """Drawing the initial rows of a large model (and filling its row stores) takes minutes with
+    nothing on the screen: a model of ``BUILD_NOTICE_BYTES`` or more says it is building, as a line
+    before and after into a file, as a bar of the bytes drawn on a terminal; a smaller one (or
+    train.progress=false) says nothing."""
+    rows = 4 * 4 * (60 + 200 + 400 + 30)  # fp32, embedding_dim 4
+    monkeypatch.setattr(trainer_module, "BUILD_NOTICE_BYTES", rows)
+    out = io.StringIO()
+    make_trainer(tmp_path, "train.progress=true", out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "building the model: 4 tables, 10.78 KiB of embedding rows (in fp32)", lines
+    assert lines[1].startswith("model built in ") and lines[1].endswith(" s") and len(lines) == 2, lines
+    OutStream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})  # redraws lines
+    out = OutStream()
+    make_trainer(tmp_path, "train.progress=true", out=out)
+    assert "initial rows: " in out.getvalue() and "11.0kB" in out.getvalue(), out.getvalue()
+    for settings, notice in [(["train.progress=false"], rows), (["train.progress=true"], rows + 1)]:
+        monkeypatch.setattr(trainer_module, "BUILD_NOTICE_BYTES", notice)
+        out = io.StringIO()
+        make_trainer(tmp_path, *settings, out=out)
+        assert out.getvalue() == ""
