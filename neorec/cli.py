@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--plan", metavar="FILE.json|auto",
                        help="sharding plan for multi-process training: a plan file (from `neorec plan --out`; "
                        "its tables' storage tiers place them, with [embedding.location]'s cache settings), "
-                       "or 'auto' to run the cost-model planner for the live world on the device tier "
+                       "or 'auto' to run the cost-model planner for the live world, each table in the tier "
+                       "[embedding.location] gives it "
                        "(default: a balanced table-wise / row-wise plan)")
     train.add_argument("--resume", metavar="DIR",
                        help="continue from a checkpoint, data position included, on any world size or plan: "

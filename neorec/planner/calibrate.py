@@ -117,7 +117,8 @@ def measure_alltoall(num_ranks: int = 2, num_bytes: int = 32 * 2 ** 20) -> Dict[
     return {"bandwidth": sent / max(results["big"] - latency, 1e-9), "latency": latency}
 
 
-def _host_memory_bytes() -> float:
+def host_memory_bytes() -> float:
+    """This machine's physical memory (8 GB when the system does not say)."""
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -144,7 +145,7 @@ def calibrate(num_ranks: int = 2, out: Optional[str | Path] = None, progress=pri
     if num_ranks > 1:
         progress(f"... gloo all-to-all between {num_ranks} processes ...")
         comm = measure_alltoall(num_ranks)
-    memory = _host_memory_bytes()
+    memory = host_memory_bytes()
     topo = Topology(
         name="local-cpu", num_nodes=1, ranks_per_node=num_ranks,
         device_memory_bytes=memory / num_ranks / 2,   # half of a rank's share of the memory for its tables

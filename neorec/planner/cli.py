@@ -234,6 +234,9 @@ def _check_calibration_target(out) -> None:
         raise ValueError(f"plan: {exc}; give --calibration-out FILE or set NEOREC_CALIBRATION") from None
 
 
+NOMINAL_SSD_BANDWIDTH = 1e9  # bytes/s of an SSD the topology does not describe (--plan auto with cached_ssd tables)
+
+
 def gpu_training_topology(world_size: int, ranks_per_node: int, out=None):
     """The topology ``--plan auto`` plans for on GPUs: this GPU's memory, and the bandwidths of the
     preset of its kind (A100: zionex, otherwise dgx-h100, said when the kind is not an H100/H200)."""
@@ -271,8 +274,11 @@ def training_topology(world_size: int, ranks_per_node: int, out=None, device: st
 
     path = default_calibration_path()
     if not path.is_file():  # nominal: a few GB/s of lookups, sub-GB/s gloo over loopback (`neorec plan --calibrate`)
-        return Topology("local-cpu-nominal", world_size // ranks_per_node, ranks_per_node, 4e9, 3e9, 8e9, 3e9,
-                        0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6)
+        from neorec.planner.calibrate import host_memory_bytes
+
+        memory = host_memory_bytes()  # shared as a calibration shares it: half of a rank's share for its tables
+        return Topology("local-cpu-nominal", world_size // ranks_per_node, ranks_per_node, memory / ranks_per_node / 2,
+                        3e9, memory / 2, 3e9, 0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6)
     calibrated = Topology.load(path)
     topo = calibrated.with_world(world_size, ranks_per_node)
     measured = int(calibrated.ranks_per_node)
@@ -288,21 +294,51 @@ def training_topology(world_size: int, ranks_per_node: int, out=None, device: st
 def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     """``neorec train --plan auto``: plan the config's tables for the live world. Pooling factors
     come from the first training batch; the topology from this GPU (``gpu_training_topology``), or on
-    the CPU from the local-cpu calibration when it exists, else nominal CPU numbers. Deterministic (a fixed number of search rounds, no time
-    limit); training runs it on rank 0 and sends the plan to the others."""
-    from neorec.planner.cost_model import PlanSettings, TableSpec
-    from neorec.planner.planner import plan_tables
+    the CPU from the local-cpu calibration when it exists, else nominal CPU numbers with this
+    machine's memory. Each table is planned where ``[embedding.location]`` puts it (its tier; a
+    cached tier at its store's precision and the section's cache fraction, on the SSD's free space
+    when the topology has no SSD), so a table placed off the device no longer needs room on it.
+    Deterministic (a fixed number of search rounds, no time limit); training runs it on rank 0
+    and sends the plan to the others."""
+    import shutil
 
+    from neorec.planner.cost_model import PlanSettings, TableSpec
+    from neorec.planner.enumerate import InfeasiblePlanError, format_bytes
+    from neorec.planner.planner import plan_tables
+    from neorec.sharding.plan import CACHED_TIERS
+    from neorec.train.build import ssd_dir_of
+
+    location = cfg.embedding.location
     configs = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
     batch = next(iter(source.train_batches(cfg.data.batch_size, 0)))
     per_key = dict(zip(batch.sparse.keys(), batch.sparse.length_per_key()))
     size = max(1, batch.sparse.batch_size)
-    tables: List[TableSpec] = [
-        TableSpec(t.name, t.num_embeddings, t.embedding_dim,
-                  max(1e-3, sum(per_key.get(f, 0) for f in t.feature_names) / size)) for t in configs]
+    tables: List[TableSpec] = []
+    for t in configs:
+        tier = location.kind_of(t)
+        precision = location.precision if tier in CACHED_TIERS else cfg.embedding.storage.precision
+        tables.append(TableSpec(t.name, t.num_embeddings, t.embedding_dim,
+                                max(1e-3, sum(per_key.get(f, 0) for f in t.feature_names) / size),
+                                tiers=(tier,), precisions=(precision,)))
+    tiers = tuple(tier for tier in TIERS if tier == "device" or any(tier in t.tiers for t in tables))
+    precisions = tuple(dict.fromkeys([cfg.embedding.storage.precision, *(t.precisions[0] for t in tables)]))
     topo = training_topology(world_size, ranks_per_node, device=cfg.train.device)
+    if "cached_ssd" in tiers and topo.ssd_bytes <= 0:  # no SSD in the topology: the store folder's free space
+        folder = Path(ssd_dir_of(cfg)).resolve()
+        while not folder.exists():
+            folder = folder.parent
+        topo = dataclasses.replace(topo, ssd_bytes=float(shutil.disk_usage(folder).free),
+                                   ssd_bandwidth=topo.ssd_bandwidth or NOMINAL_SSD_BANDWIDTH)
     settings = PlanSettings(batch_size=cfg.data.batch_size, optimizer=cfg.embedding.optimizer.kind,
-                            precisions=(cfg.embedding.storage.precision,), tiers=("device",),
+                            precisions=precisions, tiers=tiers, cache_fraction=location.cache_fraction,
                             device_reserve_fraction=0.0)
-    result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
+    try:
+        result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
+    except InfeasiblePlanError as exc:
+        raise InfeasiblePlanError(
+            f"{exc}. --plan auto plans each table where [embedding.location] puts it, on topology {topo.name!r} "
+            f"({format_bytes(topo.device_memory_bytes)} of device memory per rank for tables); put large tables "
+            f"off the device there (e.g. --set \"embedding.location.default='cached_ssd'\" --set "
+            f"embedding.location.min_rows=N), or let the planner choose tiers: `neorec plan --tiers "
+            f"device,cached_dram,cached_ssd ... --out plan.json`, then --plan plan.json") from None
     return result.plan

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import workers
 from harness import run_ranks
 
@@ -20,13 +22,18 @@ SMALL = ["--set", "data.synthetic.num_train_samples=2000", "--set", "data.synthe
          "--set", "data.batch_size=128", "--no-progress"]
 
 
-def test_train_with_plan_auto(tmp_path):
+@pytest.mark.parametrize("cached", [False, True])
+def test_train_with_plan_auto(tmp_path, cached):
+    """(cached: [embedding.location] puts t_feature_2 behind a cache over SSD; the plan keeps it there.)"""
     env = dict(os.environ, NEOREC_CALIBRATION=str(tmp_path / "absent.json"))
+    location = ["--set", "embedding.location.default='cached_ssd'", "--set", "embedding.location.min_rows=1500",
+                "--set", f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'"] if cached else []
     run = subprocess.run([sys.executable, "-m", "neorec", "train", "--config", TINY, "--nproc", "2", "--plan", "auto",
-                          "--max-steps", "3", "--output-dir", str(tmp_path), *SMALL],
+                          "--max-steps", "3", "--output-dir", str(tmp_path), *SMALL, *location],
                          capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr
     assert "distributed: 2 ranks (gloo)" in run.stdout and run.stdout.count("final eval: AUC") == 1
+    assert ("embedding cache: t_feature_2 hit rate" in run.stdout) == cached, run.stdout
     final = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["kind"] == "final" and final["step"] == 3
 

@@ -86,6 +86,39 @@ def test_plan_for_training_plans_the_config_tables(monkeypatch, tmp_path):
     assert plan.to_json() == plan_for_training(cfg, source, 2, 2).to_json()  # the same on every rank
 
 
+def test_plan_auto_plans_each_table_where_the_config_puts_it(monkeypatch, tmp_path):
+    """--plan auto planned every table on the device tier, so a table that [embedding.location]
+    puts behind a cache over SSD, because the device cannot hold it, made planning fail. Now each
+    table is planned in its configured tier (a cached one at its store's precision, over the SSD
+    folder's free space); and the nominal CPU topology takes this machine's memory, not 4 GB."""
+    from neorec.planner import calibrate
+    from neorec.planner.cli import training_topology
+    from neorec.planner.enumerate import InfeasiblePlanError
+
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(tmp_path / "none.json"))  # nominal CPU numbers
+    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 16e9)
+    topo = training_topology(2, 2)
+    assert topo.name == "local-cpu-nominal" and (topo.device_memory_bytes, topo.host_dram_bytes) == (4e9, 8e9)
+
+    # 600 KB of memory: 150 KB of device memory per rank, too little for the four tables with their
+    # optimizer state and the planner's per-rank allowances, enough with two of them cached
+    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 600e3)
+    base = [f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'", "embedding.location.precision='fp16'"]
+    cfg = load_config(str(TINY), base)
+    source = make_data_source(cfg.data)
+    with pytest.raises(InfeasiblePlanError, match=r"(does not fit|fits no rank).*--plan auto plans each table where "
+                                                  r"\[embedding.location\] puts it.*neorec plan --tiers"):
+        plan_for_training(cfg, source, 2, 2)
+    cfg = load_config(str(TINY), [*base, "embedding.location.default='cached_ssd'", "embedding.location.min_rows=1500",
+                                  "embedding.location.tables={ t_feature_1 = 'cached_dram' }"])
+    plan = plan_for_training(cfg, source, 2, 2)
+    assert {name: entry.tier for name, entry in plan.tables.items()} == {
+        "t_feature_0": "device", "t_feature_1": "cached_dram", "t_feature_2": "cached_ssd", "t_feature_3": "device"}
+    assert {name: entry.precision for name, entry in plan.tables.items()} == {
+        "t_feature_0": "fp32", "t_feature_1": "fp16", "t_feature_2": "fp16", "t_feature_3": "fp32"}
+    plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), 2)
+
+
 def _topology_file(tmp_path, **changes) -> str:
     from neorec.planner.topology import Topology
 
