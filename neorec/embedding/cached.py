@@ -121,9 +121,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         separate = device.type != "cpu" if separate_host_tables is None else bool(separate_host_tables)
         host = [t for t in self.tables if self.locations[t.name].kind == "dram" and separate]
         shapes = {t.name: self.locations[t.name].cache_shape(t.num_embeddings) for t in cached}
-        self._host_tables, self._storage, self._device, self._init_seed = host, storage, device, init_seed
+        self._host_tables, self._storage, self._device = host, storage, device
         self._tbe_options = dict(tbe_options or {})
-        self.tbe = self._make_tbe(shapes, optimizer)
+        self.tbe = self._make_tbe(shapes, optimizer, init_seed)
         self.host_tbe = (TableBatchedEmbeddingBags(host, optimizer, storage, device="cpu", init_seed=init_seed)
                          if host else None)
         self.feature_names: List[str] = [f for t in self.tables for f in t.feature_names]
@@ -151,11 +151,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._modified: Optional[Dict[str, torch.Tensor]] = None  # cached tables' rows trained since a take
 
     # ------------------------------------------------------------------------------ construction
-    def _make_tbe(self, shapes: Dict[str, Tuple[int, int]], optimizer: SparseOptimizerConfig) -> TableBatchedEmbeddingBags:
+    def _make_tbe(self, shapes: Dict[str, Tuple[int, int]], optimizer: SparseOptimizerConfig,
+                  init_seed: Optional[int]) -> TableBatchedEmbeddingBags:
         """The fused module: device tables in full, cached tables as ``shapes[name][0]`` slots."""
         main = [TableConfig(t.name, shapes[t.name][0], t.embedding_dim, list(t.feature_names), t.pooling)
                 if t.name in shapes else t for t in self.tables if t not in self._host_tables]
-        return TableBatchedEmbeddingBags(main, optimizer, self._storage, device=self._device, init_seed=self._init_seed,
+        return TableBatchedEmbeddingBags(main, optimizer, self._storage, device=self._device, init_seed=init_seed,
                                          **self._tbe_options)
 
     @torch.no_grad()
@@ -175,7 +176,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         old = self.tbe
         shapes = {n: (c.num_slots, c.ways) for n, c in self.caches.items()}
         shapes[name] = (slots, ways)
-        new = self._make_tbe(shapes, old.optimizer)
+        new = self._make_tbe(shapes, old.optimizer, None)  # every row is copied from the old module
         new.step.copy_(old.step)
         if old.modified_rows is not None:  # the other tables' marks carry over (a cached table's are here)
             new.track_modified_rows()

@@ -72,8 +72,8 @@ class TableInit:
 
     def blocks(self, lo: int = 0, hi: Optional[int] = None) -> Iterator[Tuple[int, torch.Tensor]]:
         """(first row, fp32 rows [n, dim]) covering rows ``lo .. hi`` (default: to the end), at most
-        one block at a time. The tensors share memory with a buffer the next call may reuse: copy
-        them out before asking for more."""
+        one block at a time. The tensors are views of the block kept for the next call: read them,
+        do not write into them."""
         hi = self.rows_total if hi is None else hi
         if not 0 <= lo <= hi <= self.rows_total:
             raise ValueError(f"rows {lo}..{hi} are outside the table's {self.rows_total} rows")

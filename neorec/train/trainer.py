@@ -192,7 +192,7 @@ class Trainer:
         # a resumed run's tables get every row from the checkpoint: no initial rows are drawn for
         # them or written to its row stores (for an SSD store, a write of the whole table)
         initial_rows = resume is None
-        with self._build_progress(tables):
+        with self._build_progress(tables if initial_rows else []):  # (resumed: nothing drawn, nothing to say)
             sparse_arch = self._sharded_collection(plan, comm_stats, initial_rows) if distributed is not None else None
             self.model = build_model(cfg, self.source, self.device, sparse_arch, initial_rows=initial_rows)
         self.timeline = None

@@ -15,6 +15,7 @@ from neorec.embedding import init_stream
 from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.init_stream import TableInit, block_rows
 from neorec.embedding.locations import TableLocation
+from neorec.sparse.jagged import KeyedJaggedTensor
 
 TABLE = TableConfig("t", 100, 8, ["f"])
 
@@ -84,3 +85,17 @@ def test_tables_off_the_device_start_from_the_same_rows(small_blocks, tmp_path, 
     collection = CachedEmbeddingBagCollection(tables, locations={"t": location}, init_seed=9)
     for table in tables:
         assert torch.equal(collection.table_weight(table.name), whole(9, table)), table.name
+
+
+def test_a_cache_growing_draws_no_rows(small_blocks, recwarn):
+    """Growing a cache rebuilds the fused module and copies every table over: it drew every
+    table's initial rows again first (the size of the device tables, for nothing)."""
+    tables = [TableConfig("big", 4000, 8, ["f"]), TableConfig("c", 500, 8, ["g"])]
+    collection = CachedEmbeddingBagCollection(tables, locations={"c": TableLocation("cached_dram", cache_rows=8, ways=4)})
+    drawn = []
+    with init_stream.observing_draws(drawn.append):
+        batch = KeyedJaggedTensor(["f", "g"], torch.arange(64), torch.tensor([1] * 32 + [1] * 32))
+        collection(batch)
+    assert any("growing it" in str(w.message) for w in recwarn)
+    assert drawn == []
+    assert torch.equal(collection.table_weight("big"), whole(0, tables[0]))

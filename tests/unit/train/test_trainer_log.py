@@ -200,3 +200,10 @@ def test_building_a_large_model_says_so(tmp_path, monkeypatch):
         out = io.StringIO()
         make_trainer(tmp_path, *settings, out=out)
         assert out.getvalue() == ""
+    # a resumed run draws no initial rows (the checkpoint sets them): nothing to say
+    checkpoint = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=2", "train.max_steps=2"]
+    make_trainer(tmp_path, *checkpoint).fit()
+    monkeypatch.setattr(trainer_module, "BUILD_NOTICE_BYTES", rows)
+    out = io.StringIO()
+    make_trainer(tmp_path, "train.progress=true", *checkpoint, resume=str(tmp_path / "ckpt"), out=out)
+    assert "building the model" not in out.getvalue()
