@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -75,17 +76,21 @@ CACHE_COUNTERS = ("lookups", "hits", "evictions", "write_backs", "store_bytes_re
 
 
 class MetricsLog:
-    """Append-only JSON-lines file; each record is flushed as it is written.
+    """Append-only JSON-lines file; each record is flushed as it is written, with ``run`` (the run's
+    id) added.
 
     A new run starts the file afresh (``replaced`` says whether it held records). ``continue_after_step``
-    (a run resumed at that step) keeps the existing file's records up to that step and appends
-    after them: the records a crashed run wrote past its last checkpoint are dropped, since those
-    steps are trained again, and the ``final`` record of a run that ended there becomes the
-    ``eval`` record it is (in ``epoch``: the epoch of that step); the resumed run writes its own
+    (a run resumed at that step) keeps the existing file's records of ``resumed_run`` (the resumed
+    checkpoint's run; None: records without an id, written before runs had ids; another run's
+    records are dropped, and ``replaced`` says so) up to that step
+    and appends after them: the records a crashed run wrote past its last checkpoint are dropped,
+    since those steps are trained again, and the ``final`` record of a run that ended there becomes
+    the ``eval`` record it is (in ``epoch``: the epoch of that step); the resumed run writes its own
     ``final``."""
 
-    def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None, epoch: int = 0) -> None:
-        self.path = path
+    def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None, epoch: int = 0,
+                 run: Optional[str] = None, resumed_run: Optional[str] = None) -> None:
+        self.path, self.run = path, run
         self._file: Optional[TextIO] = None
         self.replaced = False
         if path is None:
@@ -98,8 +103,12 @@ class MetricsLog:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line torn by the crash
                     continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int) \
-                        and record["step"] <= continue_after_step:
+                if not isinstance(record, dict):
+                    continue
+                if record.get("run") != resumed_run:  # another run's log in this folder
+                    self.replaced = True
+                    continue
+                if isinstance(record.get("step"), int) and record["step"] <= continue_after_step:
                     if record.get("kind") == "final":
                         if "auc" not in record:  # the run had no eval set
                             continue
@@ -116,6 +125,8 @@ class MetricsLog:
         if self._file is not None:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in record.items()}  # NaN (an undefined metric) -> null: strict JSON
+            if self.run is not None:
+                clean["run"] = self.run
             try:
                 self._file.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
                 self._file.flush()
@@ -210,6 +221,8 @@ class Trainer:
         self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.step = 0
+        self.run_id = secrets.token_hex(8)  # in every metrics record and checkpoint; a resumed run takes its checkpoint's
+        self.resumed_run: Optional[str] = None
         self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
         self.resume = resume  # a checkpoint (root) to continue from: neorec/train/checkpoint.py
         self.checkpointer = None
@@ -404,13 +417,19 @@ class Trainer:
         # a resumed run continues the log of the run it resumes (records past its step are dropped)
         last_epoch_trained = epoch - 1 if batch_in_epoch == 0 and epoch > 0 else epoch
         log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None,
-                         epoch=last_epoch_trained)
+                         epoch=last_epoch_trained, run=self.run_id, resumed_run=self.resumed_run)
         if log.replaced:
-            print(f"train.output_dir {writes}: replacing the metrics.jsonl and config.json of an earlier run",
+            whose = "another run (not the resumed checkpoint's)" if self.step else "an earlier run"
+            print(f"train.output_dir {writes}: replacing the metrics.jsonl and config.json of {whose}",
                   file=self.out, flush=True)
         if writes:
             writes.mkdir(parents=True, exist_ok=True)
             write_atomic(writes / "config.json", self.cfg.to_json())
+            stale = writes / "timeline.json"
+            if not cfg.profile and (log.replaced or not self.step) and stale.is_file():
+                stale.unlink()  # an earlier run's profile, not this run's
+                print(f"train.output_dir {writes}: removed the timeline.json of an earlier run (--profile writes "
+                      "this run's)", file=self.out, flush=True)
         if cfg.epochs:  # the step the run ends at: what is left of the data, in this run's global batches
             left = 0 if epoch >= cfg.epochs else (max(0, steps_per_epoch - batch_in_epoch)
                                                   + steps_per_epoch * (cfg.epochs - epoch - 1))

@@ -127,6 +127,42 @@ def test_a_new_run_says_that_it_replaces_an_earlier_runs_log(tmp_path):
     assert [r["kind"] for r in read_log(tmp_path)] == ["train", "final"]
 
 
+def test_a_new_run_removes_an_earlier_runs_timeline(tmp_path):
+    """A run without --profile in a folder where an earlier run profiled left that run's
+    timeline.json beside its own log, as if it were this run's."""
+    make_trainer(tmp_path, "train.max_steps=2", "train.profile=true").fit()
+    assert (tmp_path / "run" / "timeline.json").is_file()
+    out = io.StringIO()
+    make_trainer(tmp_path, "train.max_steps=2", out=out).fit()
+    assert not (tmp_path / "run" / "timeline.json").exists()
+    assert f"train.output_dir {tmp_path / 'run'}: removed the timeline.json of an earlier run" in out.getvalue()
+
+
+def test_a_resumed_run_keeps_only_its_own_runs_records(tmp_path):
+    """Resuming into a folder where another run wrote since kept that run's records up to the
+    checkpoint's step, silently mixing two runs in one log. Every record now carries its run's id
+    (a resumed run takes its checkpoint's), and only the resumed run's records are kept."""
+    checkpoint = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=4", "train.log_every_steps=2"]
+    make_trainer(tmp_path, *checkpoint, "train.max_steps=4").fit()
+    first = read_log(tmp_path)
+    run = first[0]["run"]
+    assert len(run) == 16 and {r["run"] for r in first} == {run}
+    make_trainer(tmp_path, "train.max_steps=6", "train.seed=7", "train.log_every_steps=1").fit()  # another run
+    other = read_log(tmp_path)
+    assert {r["run"] for r in other} != {run} and len({r["run"] for r in other}) == 1
+    out = io.StringIO()
+    make_trainer(tmp_path, *checkpoint, "train.max_steps=8", resume=str(tmp_path / "ckpt"), out=out).fit()
+    assert f"train.output_dir {tmp_path / 'run'}: replacing the metrics.jsonl and config.json of another run " \
+           "(not the resumed checkpoint's)" in out.getvalue()
+    records = read_log(tmp_path)
+    assert {r["run"] for r in records} == {run}
+    # (the other run replaced the first one's records: the log goes on from the checkpoint's step)
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 6), ("train", 8), ("final", 8)]
+    out = io.StringIO()  # resumed into the folder its run wrote: nothing replaced
+    make_trainer(tmp_path, *checkpoint, "train.max_steps=10", resume=str(tmp_path / "ckpt"), out=out).fit()
+    assert "replacing" not in out.getvalue() and {r["run"] for r in read_log(tmp_path)} == {run}
+
+
 def test_the_summary_of_a_resumed_run_says_which_steps_it_trained(capsys):
     from neorec.cli import _print_result
     from neorec.train.trainer import TrainResult
