@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(train)
     train.add_argument("--max-steps", type=int, metavar="N",
-                       help="stop after N steps (same as --set train.max_steps=N)")
+                       help="stop at step N, counted from the run's start: a run resumed at step 50 with "
+                       "--max-steps 70 trains 20 more (same as --set train.max_steps=N)")
     train.add_argument("--output-dir", metavar="DIR",
                        help="where metrics.jsonl and config.json go (same as --set train.output_dir=...)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
@@ -323,6 +324,12 @@ def _train_distributed(args: argparse.Namespace) -> int:
 
     world = int(os.environ["WORLD_SIZE"])
     cfg, plan = _config_and_plan(args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # before joining
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if missing:  # RANK and WORLD_SIZE left in a shell: torch would only say that MASTER_ADDR is expected
+        raise ValueError(f"RANK={os.environ['RANK']} and WORLD_SIZE={world} are set in the environment but "
+                         f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: no launcher started "
+                         "this process; unset RANK and WORLD_SIZE to train in one process, or start the ranks "
+                         "with torchrun or --nproc")
     context = DistributedContext.from_env(cfg.train.device)
     try:
         result = _fit_distributed(cfg, context, plan, args.resume)  # the model is gone before the groups close
@@ -427,9 +434,9 @@ def _print_result(result) -> None:
     else:
         print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
               f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
-    resumed = f" ({result.steps - result.first_step} after resuming at step {result.first_step})" \
+    resumed = f" ({result.steps - result.first_step:,} after resuming at step {result.first_step:,})" \
         if result.first_step else ""
-    print(f"training: {result.steps} steps{resumed}, {result.samples:,} samples in {result.train_seconds:.1f} s, "
+    print(f"training: {result.steps:,} steps{resumed}, {result.samples:,} samples in {result.train_seconds:.1f} s, "
           f"QPS {result.qps:,.0f} samples/s")
     if result.cache:
         print("embedding cache: " + "; ".join(

@@ -126,7 +126,7 @@ class TrainConfig:
     """The training loop.
 
     epochs: passes over the training data.
-    max_steps: stop after this many steps (0 = no limit).
+    max_steps: stop at this step, counted from the run's start (a resumed run included; 0 = no limit).
     eval_every_steps: evaluate every N steps (0 = only at the end of each epoch).
     eval_max_batches: cap on eval batches per evaluation (0 = the whole eval set).
     log_every_steps: write a train record to the metrics log every N steps.

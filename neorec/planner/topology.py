@@ -109,7 +109,12 @@ class Topology:
         extra = sorted(set(data) - set(names))
         if missing or extra:
             raise ValueError(f"{where}: missing keys {missing}, unknown keys {extra}; allowed: {names}")
-        return cls(**dict(data))
+        try:
+            return cls(**dict(data))
+        except (TypeError, ValueError) as exc:  # a value out of range: say which file holds it
+            if where == "topology":
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         from neorec.files import write_atomic

@@ -602,4 +602,4 @@ class Trainer:
 
 def _format_eval(step: int, m: Dict[str, float]) -> str:
     return (f"eval @ step {step}: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
-            f"calibration {m['calibration']:.3f}  ({int(m['num_samples'])} samples)")
+            f"calibration {m['calibration']:.3f}  ({int(m['num_samples']):,} samples)")

@@ -144,6 +144,13 @@ def test_nproc_with_a_leftover_rank_and_world_size_says_so(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "RANK=0 and WORLD_SIZE=2 are set in the environment" in err, err
     assert "unset RANK and WORLD_SIZE" in err
+    # without --nproc the same leftovers reached torch's "environment variable MASTER_ADDR expected"
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert main(["train", "--config", str(TINY)]) == 2
+    err = capsys.readouterr().err
+    assert "RANK=0 and WORLD_SIZE=2 are set in the environment but MASTER_ADDR and MASTER_PORT are not" in err, err
+    assert "unset RANK and WORLD_SIZE to train in one process" in err
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun started it: --nproc must match the world
     assert main(["train", "--config", str(TINY), "--nproc", "3"]) == 2
     assert "--nproc 3 but the launcher started WORLD_SIZE=2 processes" in capsys.readouterr().err

@@ -171,7 +171,8 @@ def test_plan_table_file_values_are_checked_naming_file_and_key(tmp_path, capsys
 def test_plan_topology_nan_is_refused(tmp_path, capsys):
     topo = _topology_file(tmp_path, inter_node_bandwidth=float("nan"))
     assert main(["plan", "--tables", _spec_file(tmp_path), "--topology", topo]) == 2
-    assert "inter_node_bandwidth must be a finite number, got nan" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"topology file {topo}: " in err and "inter_node_bandwidth must be a finite number, got nan" in err, err
 
 
 def test_plan_missing_tier_names_a_reason(tmp_path, capsys):
