@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full Python traceback on errors (for bug reports); "
                         "NEOREC_TRACEBACK=1 in the environment does the same")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.command_parsers = sub.choices  # {command: its parser}: an unknown argument is said with its usage
 
     train = sub.add_parser(
         "train", help="train a DLRM and report eval AUC, NE and QPS",
@@ -536,7 +537,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser: its usage, not the top-level one
+        parser.command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
