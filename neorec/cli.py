@@ -295,7 +295,7 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
     plan stay as given; the ranks check the rest once they know the tables' sizes)."""
     from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
     from neorec.sharding import ShardingPlan
-    from neorec.sharding.validation import check_plan_nodes, check_plan_tables
+    from neorec.sharding.validation import check_plan_nodes, check_plan_pieces, check_plan_tables
 
     cfg = _train_config(args)
     plan = ShardingPlan.load(args.plan) if args.plan and args.plan != "auto" else args.plan
@@ -304,6 +304,7 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
             if plan.world_size != world:
                 raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has "
                                  f"{world} ranks; make a plan for {world} ranks")
+            check_plan_pieces(plan, world)
             check_plan_nodes(plan, ranks_per_node)
             check_plan_tables(plan, cfg.data.table_names())
             plan.check_replicas_on_device().check_precision(cfg.embedding.storage.precision)

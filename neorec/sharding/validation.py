@@ -40,6 +40,35 @@ def check_plan_tables(plan: ShardingPlan, names: Sequence[str]) -> None:
         raise ValueError(f"sharding plan: tables {uncovered} are not covered; every table needs an entry")
 
 
+def check_plan_pieces(plan: ShardingPlan, world_size: int) -> None:
+    """What needs no table sizes (``neorec train --nproc`` checks it before any rank starts): every
+    shard on a rank of the world, no empty range, and the pieces of a row- or column-split table
+    not overlapping. ``validate_plan`` checks the rest."""
+    for name, entry in plan.tables.items():
+        kind = entry.sharding_type
+        for shard in entry.shards:
+            _check_rank(name, kind, shard, world_size)
+            if not (0 <= shard.row_start < shard.row_end and 0 <= shard.col_start < shard.col_end):
+                _fail(name, kind, f"shard {shard.to_dict()} is empty (ranges are [start, end) with start < end)")
+        if kind not in (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE):
+            what = "row" if kind.splits_rows else "column"
+            ranges = [(s.row_start, s.row_end) if kind.splits_rows else (s.col_start, s.col_end) for s in entry.shards]
+            _check_overlaps(name, kind, what, ranges)
+
+
+def _check_rank(name: str, kind: ShardingType, shard: Shard, world_size: int) -> None:
+    if not 0 <= shard.rank < world_size:
+        _fail(name, kind, f"shard {shard.to_dict()} is on rank {shard.rank}, outside the world 0..{world_size - 1}")
+
+
+def _check_overlaps(name: str, kind: ShardingType, what: str, ranges: List[Tuple[int, int]]) -> None:
+    position = None
+    for start, end in sorted(ranges):
+        if position is not None and start < position:
+            _fail(name, kind, f"{what} ranges overlap at {what} {start} (ranges {sorted(ranges)})")
+        position = end
+
+
 def check_plan_nodes(plan: ShardingPlan, ranks_per_node: int) -> None:
     """The pieces of each node-local table (table-row-wise, table-column-wise) stay on one node of
     the live world, ``ranks_per_node`` ranks per node (a plan made for larger nodes would spread
@@ -62,8 +91,7 @@ def _validate_table(table: TableConfig, entry: TablePlan, plan: ShardingPlan, wo
     for shard in entry.shards:
         if not isinstance(shard, Shard):
             _fail(name, kind, f"shards must be Shard objects, got {shard!r}")
-        if not 0 <= shard.rank < world_size:
-            _fail(name, kind, f"shard {shard.to_dict()} is on rank {shard.rank}, outside the world 0..{world_size - 1}")
+        _check_rank(name, kind, shard, world_size)
         if not (0 <= shard.row_start < shard.row_end <= rows and 0 <= shard.col_start < shard.col_end <= cols):
             _fail(name, kind, f"shard {shard.to_dict()} is empty or outside the table's {rows} rows x {cols} "
                               f"columns (ranges are [start, end) with start < end)")
@@ -98,10 +126,9 @@ def _validate_table(table: TableConfig, entry: TablePlan, plan: ShardingPlan, wo
 
 
 def _check_tiling(name: str, kind: ShardingType, what: str, ranges: List[Tuple[int, int]], size: int) -> None:
+    _check_overlaps(name, kind, what, ranges)
     position = 0
     for start, end in sorted(ranges):
-        if start < position:
-            _fail(name, kind, f"{what} ranges overlap at {what} {start} (ranges {sorted(ranges)})")
         if start > position:
             _fail(name, kind, f"{what}s [{position}, {start}) are in no shard (ranges {sorted(ranges)})")
         position = end

@@ -208,6 +208,17 @@ def test_plans_for_other_tables_or_larger_nodes_are_refused_before_ranks_start(t
     assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(wrong)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sharding plan: unknown tables ['t_other']" in err and str(wrong) in err, err
+    # a shard outside the world, overlapping row ranges: each rank said it, once per rank
+    for change, message in [(lambda p: p["tables"]["t_feature_0"]["shards"][0].update(rank=5),
+                             "'t_feature_0' (table_wise): shard {'rank': 5, "),
+                            (lambda p: p["tables"]["t_feature_2"]["shards"][1].update(row_start=900),
+                             "'t_feature_2' (row_wise): row ranges overlap at row 900")]:
+        plan = json.loads((ROOT / "configs" / "tiny_plan_2ranks.json").read_text())
+        change(plan)
+        wrong.write_text(json.dumps(plan))
+        assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(wrong)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
     rows = 2000  # t_feature_2, row-wise inside one node of 4 ranks
     plan = json.loads((ROOT / "configs" / "tiny_plan_2ranks.json").read_text())
