@@ -540,7 +540,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command's own parser: its usage, not the top-level one
-        parser.command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        after = args.command in argv and extra[0] in argv and argv.index(args.command) < argv.index(extra[0])
+        own = parser.command_parsers.get(args.command, parser) if after else parser  # (`neorec --foo train`: top)
+        own.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -238,12 +238,15 @@ NOMINAL_SSD_BANDWIDTH = 1e9  # bytes/s of an SSD the topology does not describe 
 
 
 def gpu_training_topology(world_size: int, ranks_per_node: int, out=None):
-    """The topology ``--plan auto`` plans for on GPUs: this GPU's memory, and the bandwidths of the
-    preset of its kind (A100: zionex, otherwise dgx-h100, said when the kind is not an H100/H200)."""
+    """The topology ``--plan auto`` plans for on GPUs: this GPU's memory, this machine's host
+    memory, no SSD (``plan_for_training`` takes the SSD folder's free space when a table is cached
+    over SSD), and the bandwidths of the preset of its kind (A100: zionex, otherwise dgx-h100, said
+    when the kind is not an H100/H200)."""
     import dataclasses
 
     import torch
 
+    from neorec.planner.calibrate import host_memory_bytes
     from neorec.planner.topology import dgx_h100, zionex
 
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -254,6 +257,7 @@ def gpu_training_topology(world_size: int, ranks_per_node: int, out=None):
               f"(or plan with `neorec plan --topology ... --out plan.json` and pass --plan plan.json)",
               file=out if out is not None else sys.stderr, flush=True)
     return dataclasses.replace(preset, name=f"local-gpu ({name})", device_memory_bytes=float(properties.total_memory),
+                               host_dram_bytes=host_memory_bytes(), ssd_bytes=0.0,
                                num_nodes=world_size // ranks_per_node, ranks_per_node=ranks_per_node)
 
 
@@ -331,6 +335,7 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
                                    ssd_bandwidth=topo.ssd_bandwidth or NOMINAL_SSD_BANDWIDTH)
     settings = PlanSettings(batch_size=cfg.data.batch_size, optimizer=cfg.embedding.optimizer.kind,
                             precisions=precisions, tiers=tiers, cache_fraction=location.cache_fraction,
+                            cache_rows=location.cache_rows,
                             device_reserve_fraction=0.0)
     try:
         result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)

@@ -28,7 +28,8 @@ of pooling factor L ids per sample, a piece of d columns stored in e bytes per e
   the optimizer updates the rows some rank looked up (at most G * L) and the buffer is zeroed;
   every rank keeps that gradient buffer besides the table.
 - memory: rows x (d x e + optimizer state) on the tier's backing store; a cached tier also holds
-  ``cache_fraction`` of the rows in fp32 (+ state) on the device; model-parallel pieces hold
+  ``cache_fraction`` of the rows (or ``cache_rows`` per piece) in fp32 (+ state) on the device;
+  model-parallel pieces hold
   double-buffered (pipelined) id and pooled-output buffers on the device.
 
 Approximations: ids are spread evenly (no hot rows per piece), unique-row savings in backward are
@@ -104,7 +105,8 @@ class PlanSettings:
     comm_bytes: bytes per pooled value on the wire (4 = fp32, 2 = fp16, 1 = int8 quantized
         communication, whose rows also carry 8 bytes of min and step).
     cache_fraction / cache_hit_rate: device cache size of a cached tier (fraction of the rows)
-        and the hit rate assumed for it.
+        and the hit rate assumed for it; cache_rows (> 0): the cache of every cached piece holds
+        that many rows instead (as ``embedding.location.cache_rows`` in training).
     device_reserve_fraction: device memory kept for dense parameters and activations.
     max_column_pieces: the most pieces a column-wise option may have.
     """
@@ -116,6 +118,7 @@ class PlanSettings:
     sharding_types: Tuple[str, ...] = tuple(t.value for t in ShardingType)
     comm_bytes: int = 4
     cache_fraction: float = 0.1
+    cache_rows: int = 0
     cache_hit_rate: float = 0.9
     device_reserve_fraction: float = 0.15
     max_column_pieces: int = 8
@@ -137,6 +140,8 @@ class PlanSettings:
         for key in ("cache_fraction", "cache_hit_rate", "device_reserve_fraction"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"plan settings: {key} must be in [0, 1], got {getattr(self, key)!r}")
+        if not isinstance(self.cache_rows, int) or isinstance(self.cache_rows, bool) or self.cache_rows < 0:
+            raise ValueError(f"plan settings: cache_rows must be an integer >= 0, got {self.cache_rows!r}")
 
 
 @dataclass
@@ -292,7 +297,8 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
         cost.gradient_comm = cost.output_comm
     memory = Memory()
     stored = piece_rows * (piece_cols * elem + state)
-    cached = min(piece_rows, max(1, int(settings.cache_fraction * piece_rows))) * (piece_cols * 4 + state)
+    cache_rows = settings.cache_rows or max(1, int(settings.cache_fraction * piece_rows))
+    cached = min(piece_rows, cache_rows) * (piece_cols * 4 + state)
     if tier == "device":
         memory.device = stored
     elif tier == "dram":

@@ -355,7 +355,7 @@ class Checkpointer:
                 "dense_optimizer": optimizer_json, "files": files,
                 "bytes": {"embeddings": embedding_bytes, "dense": dense_size},
                 "config": trainer.cfg.to_dict(),
-                "run": trainer.run_id,  # the metrics log's records of this run carry it
+                "runs": [*trainer.ancestor_runs, trainer.run_id],  # whose metrics records lead here
             }
             if kind != "full":  # the bases it is saved on, by their manifests' digests
                 manifest["bases"] = {name: _read_manifest(path.parent / name).get("manifest_sha256")
@@ -476,9 +476,7 @@ class Checkpointer:
                 holder.track()  # clears the marks: the restored rows are the checkpoint's
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
         trainer.step = int(manifest["step"])
-        trainer.resumed_run = manifest.get("run")  # (None: saved before runs had ids)
-        if trainer.resumed_run is not None:
-            trainer.run_id = trainer.resumed_run
+        trainer.ancestor_runs = list(manifest.get("runs", [None]))  # (None: records written before runs had ids)
         self.resumed_from = path
         same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
         parts = _chain_parts(path, manifest) if same_root else []

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,20 +76,20 @@ CACHE_COUNTERS = ("lookups", "hits", "evictions", "write_backs", "store_bytes_re
 
 
 class MetricsLog:
-    """Append-only JSON-lines file; each record is flushed as it is written, with ``run`` (the run's
-    id) added.
+    """Append-only JSON-lines file; each record is flushed as it is written, with ``run`` (the id of
+    the run, one process's training from its start or resume to its end) added.
 
     A new run starts the file afresh (``replaced`` says whether it held records). ``continue_after_step``
-    (a run resumed at that step) keeps the existing file's records of ``resumed_run`` (the resumed
-    checkpoint's run; None: records without an id, written before runs had ids; another run's
-    records are dropped, and ``replaced`` says so) up to that step
+    (a run resumed at that step) keeps the existing file's records of ``keep_runs`` (the runs the
+    resumed checkpoint descends from; None: records without an id, written before runs had ids;
+    another run's records are dropped, and ``replaced`` says so) up to that step
     and appends after them: the records a crashed run wrote past its last checkpoint are dropped,
     since those steps are trained again, and the ``final`` record of a run that ended there becomes
     the ``eval`` record it is (in ``epoch``: the epoch of that step); the resumed run writes its own
     ``final``."""
 
     def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None, epoch: int = 0,
-                 run: Optional[str] = None, resumed_run: Optional[str] = None) -> None:
+                 run: Optional[str] = None, keep_runs: Sequence[Optional[str]] = (None,)) -> None:
         self.path, self.run = path, run
         self._file: Optional[TextIO] = None
         self.replaced = False
@@ -105,7 +105,7 @@ class MetricsLog:
                     continue
                 if not isinstance(record, dict):
                     continue
-                if record.get("run") != resumed_run:  # another run's log in this folder
+                if record.get("run") not in keep_runs:  # another run's log in this folder
                     self.replaced = True
                     continue
                 if isinstance(record.get("step"), int) and record["step"] <= continue_after_step:
@@ -221,8 +221,8 @@ class Trainer:
         self.dense_optimizer = make_dense_optimizer(cfg.dense_optimizer, dense_parameters(self.model))
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.step = 0
-        self.run_id = secrets.token_hex(8)  # in every metrics record and checkpoint; a resumed run takes its checkpoint's
-        self.resumed_run: Optional[str] = None
+        self.run_id = secrets.token_hex(8)  # in every metrics record; a checkpoint lists its runs
+        self.ancestor_runs: List[Optional[str]] = []  # the runs a resumed checkpoint descends from
         self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
         self.resume = resume  # a checkpoint (root) to continue from: neorec/train/checkpoint.py
         self.checkpointer = None
@@ -417,7 +417,7 @@ class Trainer:
         # a resumed run continues the log of the run it resumes (records past its step are dropped)
         last_epoch_trained = epoch - 1 if batch_in_epoch == 0 and epoch > 0 else epoch
         log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None,
-                         epoch=last_epoch_trained, run=self.run_id, resumed_run=self.resumed_run)
+                         epoch=last_epoch_trained, run=self.run_id, keep_runs=self.ancestor_runs)
         if log.replaced:
             whose = "another run (not the resumed checkpoint's)" if self.step else "an earlier run"
             print(f"train.output_dir {writes}: replacing the metrics.jsonl and config.json of {whose}",

@@ -24,12 +24,12 @@ def test_data_without_a_command_prints_its_usage_and_exits_2(capsys):
 def test_an_unknown_argument_is_said_with_its_commands_usage(capsys):
     """`neorec train --foo` printed the top-level usage (`neorec [-h] [--traceback] COMMAND ...`)."""
     for argv, usage in [(["train", "--foo"], "usage: neorec train "), (["--foo"], "usage: neorec [-h]"),
-                        (["plan", "--foo", "x"], "usage: neorec plan ")]:
+                        (["plan", "--foo", "x"], "usage: neorec plan "), (["--foo", "train"], "usage: neorec [-h]")]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith(usage), (argv, err)
-        assert f"error: unrecognized arguments: {' '.join(argv[-2:] if argv[0] == 'plan' else argv[-1:])}" in err
+        assert f"error: unrecognized arguments: {' '.join(argv[1:] if argv[0] == 'plan' else ['--foo'])}" in err
 
 
 @pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])

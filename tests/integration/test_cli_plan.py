@@ -117,6 +117,10 @@ def test_plan_auto_plans_each_table_where_the_config_puts_it(monkeypatch, tmp_pa
     assert {name: entry.precision for name, entry in plan.tables.items()} == {
         "t_feature_0": "fp32", "t_feature_1": "fp16", "t_feature_2": "fp16", "t_feature_3": "fp32"}
     plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), 2)
+    # caches of cache_rows rows each (here whole tables), not cache_fraction's, are what training builds
+    cfg = load_config(str(TINY), [*base, "embedding.location.default='cached_dram'", "embedding.location.cache_rows=2000"])
+    with pytest.raises(InfeasiblePlanError, match="--plan auto plans each table where"):
+        plan_for_training(cfg, source, 2, 2)
 
 
 def _topology_file(tmp_path, **changes) -> str:
@@ -314,6 +318,7 @@ def test_plan_auto_on_gpus_plans_for_the_gpu_not_for_a_cpu(monkeypatch, gpu, pre
 
     import torch
 
+    from neorec.planner import calibrate
     from neorec.planner.cli import training_topology
     from neorec.planner.topology import get_topology
 
@@ -326,6 +331,8 @@ def test_plan_auto_on_gpus_plans_for_the_gpu_not_for_a_cpu(monkeypatch, gpu, pre
     expected = get_topology(preset)
     assert topo.name == f"local-gpu ({gpu})" and (topo.num_nodes, topo.ranks_per_node) == (1, 2)
     assert topo.device_memory_bytes == 48 * 2**30 and topo.device_bandwidth == expected.device_bandwidth
+    # this machine's host memory and no SSD, not the preset's (2 TB of DRAM, 30 TB of NVMe)
+    assert (topo.host_dram_bytes, topo.ssd_bytes) == (calibrate.host_memory_bytes(), 0.0)
     assert topo.intra_node_bandwidth == expected.intra_node_bandwidth
     assert ("no preset for" in out.getvalue()) == note
     assert training_topology(2, 2, out=out, device="auto").name == topo.name

@@ -138,29 +138,73 @@ def test_a_new_run_removes_an_earlier_runs_timeline(tmp_path):
     assert f"train.output_dir {tmp_path / 'run'}: removed the timeline.json of an earlier run" in out.getvalue()
 
 
-def test_a_resumed_run_keeps_only_its_own_runs_records(tmp_path):
+def test_a_resumed_run_keeps_only_the_records_of_the_runs_its_checkpoint_descends_from(tmp_path):
     """Resuming into a folder where another run wrote since kept that run's records up to the
-    checkpoint's step, silently mixing two runs in one log. Every record now carries its run's id
-    (a resumed run takes its checkpoint's), and only the resumed run's records are kept."""
+    checkpoint's step, silently mixing two runs in one log. Every record now carries its run's id,
+    a checkpoint lists the runs it descends from, and a resumed run keeps only their records: not
+    another run's, not a branch resumed from an earlier checkpoint of the same run."""
+    def kinds(records):
+        return [(r["kind"], r["step"]) for r in records]
+
     checkpoint = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=4", "train.log_every_steps=2"]
     make_trainer(tmp_path, *checkpoint, "train.max_steps=4").fit()
     first = read_log(tmp_path)
     run = first[0]["run"]
     assert len(run) == 16 and {r["run"] for r in first} == {run}
     make_trainer(tmp_path, "train.max_steps=6", "train.seed=7", "train.log_every_steps=1").fit()  # another run
-    other = read_log(tmp_path)
-    assert {r["run"] for r in other} != {run} and len({r["run"] for r in other}) == 1
+    assert run not in {r["run"] for r in read_log(tmp_path)}
     out = io.StringIO()
     make_trainer(tmp_path, *checkpoint, "train.max_steps=8", resume=str(tmp_path / "ckpt"), out=out).fit()
     assert f"train.output_dir {tmp_path / 'run'}: replacing the metrics.jsonl and config.json of another run " \
            "(not the resumed checkpoint's)" in out.getvalue()
-    records = read_log(tmp_path)
-    assert {r["run"] for r in records} == {run}
     # (the other run replaced the first one's records: the log goes on from the checkpoint's step)
-    assert [(r["kind"], r["step"]) for r in records] == [("train", 6), ("train", 8), ("final", 8)]
-    out = io.StringIO()  # resumed into the folder its run wrote: nothing replaced
-    make_trainer(tmp_path, *checkpoint, "train.max_steps=10", resume=str(tmp_path / "ckpt"), out=out).fit()
-    assert "replacing" not in out.getvalue() and {r["run"] for r in read_log(tmp_path)} == {run}
+    records = read_log(tmp_path)
+    assert kinds(records) == [("train", 6), ("train", 8), ("final", 8)]
+    second = records[0]["run"]
+    assert second != run and {r["run"] for r in records} == {second}
+
+    out = io.StringIO()  # resumed into the folder its runs wrote: nothing replaced
+    make_trainer(tmp_path, *checkpoint, "train.max_steps=12", resume=str(tmp_path / "ckpt"), out=out).fit()
+    assert "replacing" not in out.getvalue()
+    records = read_log(tmp_path)
+    third = records[-1]["run"]
+    assert kinds(records) == [("train", 6), ("train", 8), ("eval", 8), ("train", 10), ("train", 12), ("final", 12)]
+    assert [r["run"] for r in records] == [second] * 3 + [third] * 3
+
+    # a branch: resumed from step 8 with another learning rate; then the run resumed from step 12
+    branch = [f"checkpoint.dir='{tmp_path / 'branch'}'", "checkpoint.every_steps=4", "train.log_every_steps=2"]
+    make_trainer(tmp_path, *branch, "train.max_steps=12", "dense_optimizer.learning_rate=0.5",
+                 resume=str(tmp_path / "ckpt" / "step-000000008")).fit()
+    assert kinds(read_log(tmp_path))[-3:] == [("train", 10), ("train", 12), ("final", 12)]
+    out = io.StringIO()
+    make_trainer(tmp_path, *checkpoint, "train.max_steps=14", resume=str(tmp_path / "ckpt"), out=out).fit()
+    records = read_log(tmp_path)
+    assert "of another run" in out.getvalue()  # the branch's steps 10 and 12 are not this run's
+    assert kinds(records) == [("train", 6), ("train", 8), ("eval", 8), ("train", 14), ("final", 14)]
+    assert {r["run"] for r in records[:3]} == {second}
+
+
+def test_a_checkpoint_from_before_run_ids_keeps_the_records_without_one(tmp_path):
+    """A checkpoint saved before runs had ids (no "runs" in its manifest) resumes with the log's
+    records that have no id, and a later resume keeps them too."""
+    from neorec.train import checkpoint as checkpoint_module
+
+    checkpoint = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=4", "train.log_every_steps=2"]
+    make_trainer(tmp_path, *checkpoint, "train.max_steps=4").fit()
+    log = tmp_path / "run" / "metrics.jsonl"  # as written then: no run ids, manifests without "runs"
+    log.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "run"}) + "\n" for r in read_log(tmp_path)))
+    manifest = tmp_path / "ckpt" / "step-000000004" / checkpoint_module.MANIFEST
+    data = json.loads(manifest.read_text())
+    data.pop("runs")
+    data["manifest_sha256"] = checkpoint_module._manifest_digest(data)
+    manifest.write_text(json.dumps(data))
+    for steps in (8, 12):
+        out = io.StringIO()
+        make_trainer(tmp_path, *checkpoint, f"train.max_steps={steps}", resume=str(tmp_path / "ckpt"), out=out).fit()
+        assert "replacing" not in out.getvalue()
+    records = read_log(tmp_path)
+    assert [(r["kind"], r["step"]) for r in records][:3] == [("train", 2), ("train", 4), ("eval", 4)]
+    assert [r.get("run") for r in records[:3]] == [None] * 3 and records[-1]["kind"] == "final"
 
 
 def test_the_summary_of_a_resumed_run_says_which_steps_it_trained(capsys):
