@@ -12,7 +12,6 @@ Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set t
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import secrets
@@ -20,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ from neorec.train.build import (build_model, make_dense_optimizer, plan_location
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
                                       split_batch, threads_per_rank)
 from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
+from neorec.train.metrics_log import MetricsLog
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
 from neorec.train.timeline import StepTimeline, step_clock
 
@@ -73,73 +73,6 @@ class TrainResult:
 
 
 CACHE_COUNTERS = ("lookups", "hits", "evictions", "write_backs", "store_bytes_read", "store_bytes_written")
-
-
-class MetricsLog:
-    """Append-only JSON-lines file; each record is flushed as it is written, with ``run`` (the id of
-    the run, one process's training from its start or resume to its end) added.
-
-    A new run starts the file afresh (``replaced`` says whether it held records). ``continue_after_step``
-    (a run resumed at that step) keeps the existing file's records of ``keep_runs`` (the runs the
-    resumed checkpoint descends from; None: records without an id, written before runs had ids;
-    another run's records are dropped, and ``replaced`` says so) up to that step
-    and appends after them: the records a crashed run wrote past its last checkpoint are dropped,
-    since those steps are trained again, and the ``final`` record of a run that ended there becomes
-    the ``eval`` record it is (in ``epoch``: the epoch of that step); the resumed run writes its own
-    ``final``."""
-
-    def __init__(self, path: Optional[Path], continue_after_step: Optional[int] = None, epoch: int = 0,
-                 run: Optional[str] = None, keep_runs: Sequence[Optional[str]] = (None,)) -> None:
-        self.path, self.run = path, run
-        self._file: Optional[TextIO] = None
-        self.replaced = False
-        if path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if continue_after_step is not None and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line torn by the crash
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                if record.get("run") not in keep_runs:  # another run's log in this folder
-                    self.replaced = True
-                    continue
-                if isinstance(record.get("step"), int) and record["step"] <= continue_after_step:
-                    if record.get("kind") == "final":
-                        if "auc" not in record:  # the run had no eval set
-                            continue
-                        for key in ("samples", "train_seconds", "qps", "first_step"):
-                            record.pop(key, None)
-                        line = json.dumps(dict(record, kind="eval", epoch=epoch), sort_keys=True)
-                    kept.append(line + "\n")
-            write_atomic(path, "".join(kept))
-        else:
-            self.replaced = path.is_file() and path.stat().st_size > 0
-        self._file = path.open("a" if kept else "w")
-
-    def write(self, record: Dict[str, Any]) -> None:
-        if self._file is not None:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                     for k, v in record.items()}  # NaN (an undefined metric) -> null: strict JSON
-            if self.run is not None:
-                clean["run"] = self.run
-            try:
-                self._file.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
-                self._file.flush()
-            except OSError as exc:  # a full disk: name the file; the log is not written again
-                file, self._file = self._file, None
-                with contextlib.suppress(OSError):
-                    file.close()
-                raise OSError(exc.errno, f"{exc.strerror} (writing the metrics log)", file.name) from None
-
-    def close(self) -> None:
-        if self._file is not None:
-            file, self._file = self._file, None
-            file.close()
 
 
 PROGRESS_LINE_SECONDS = 30.0  # progress to a file or pipe: one plain line at most this often
