@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "NEOREC_TRACEBACK=1 in the environment does the same")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.command_parsers = sub.choices  # {command: its parser}: an unknown argument is said with its usage
+    parser.command_dest = "command"
 
     train = sub.add_parser(
         "train", help="train a DLRM and report eval AUC, NE and QPS",
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reads. `neorec data DATA_COMMAND --help` describes each.",
     )
     data_sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
+    data.command_parsers, data.command_dest = data_sub.choices, "data_command"
     write = data_sub.add_parser(
         "write-criteo", help="write synthetic click data in the raw Criteo TSV layout",
         description="Write LINES lines of learnable synthetic data in the raw Criteo TSV layout "
@@ -535,14 +537,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.showwarning = previous
 
 
+def _owner_of(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str],
+              unknown: str) -> argparse.ArgumentParser:
+    """The parser of the innermost (sub)command named before ``unknown`` on the command line:
+    `neorec data write-criteo x --foo` -> write-criteo's, `neorec --foo train` -> the top-level one."""
+    end = argv.index(unknown) if unknown in argv else len(argv)
+    own, start = parser, 0
+    while getattr(own, "command_parsers", None):
+        name = getattr(args, own.command_dest, None)
+        if name is None or name not in argv[start:end]:
+            break
+        start = argv.index(name, start) + 1
+        own = own.command_parsers[name]
+    return own
+
+
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
-    if extra:  # said by the command's own parser: its usage, not the top-level one
-        after = args.command in argv and extra[0] in argv and argv.index(args.command) < argv.index(extra[0])
-        own = parser.command_parsers.get(args.command, parser) if after else parser  # (`neorec --foo train`: top)
-        own.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # said by the innermost command's parser before it: its usage, not the top-level one
+        _owner_of(parser, args, argv, extra[0]).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

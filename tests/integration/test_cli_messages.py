@@ -32,6 +32,20 @@ def test_an_unknown_argument_is_said_with_its_commands_usage(capsys):
         assert f"error: unrecognized arguments: {' '.join(argv[1:] if argv[0] == 'plan' else ['--foo'])}" in err
 
 
+def test_an_unknown_argument_of_a_data_command_is_said_with_that_commands_usage(capsys, tmp_path):
+    """`neorec data write-criteo PATH --foo` printed `neorec data`'s usage, not write-criteo's."""
+    out = str(tmp_path / "x.tsv")
+    for argv, usage in [(["data", "write-criteo", out, "--foo"], "usage: neorec data write-criteo "),
+                        (["data", "--foo", "write-criteo", out], "usage: neorec data [-h]"),
+                        (["data", "preprocess-criteo", out, out, "--foo"], "usage: neorec data preprocess-criteo ")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(usage), (argv, err)
+        assert "error: unrecognized arguments: --foo" in err
+    assert not (tmp_path / "x.tsv").exists()
+
+
 @pytest.mark.parametrize("value", ["0", "false", "No", "off", ""])
 def test_neorec_traceback_off_values_show_no_traceback(monkeypatch, capsys, value):
     monkeypatch.setenv("NEOREC_TRACEBACK", value)
