@@ -191,8 +191,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.nproc is not None and args.nproc > 1:
         from neorec.train.launch import launch_local
 
-        cfg, _ = _config_and_plan(args, args.nproc, args.nproc)  # said once, before N ranks start and each says it
-        _check_before_launch(cfg, args)
+        cfg, plan = _config_and_plan(args, args.nproc, args.nproc)  # said once, before N ranks start and each says it
+        _check_before_launch(cfg, plan, args)
         try:
             return launch_local(args.nproc, list(argv))
         except (KeyboardInterrupt, Terminated):  # the ranks are stopped; say where to go on from; _main says why
@@ -250,10 +250,13 @@ def _resume_hint(trainer) -> str:
     return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
 
 
-def _check_before_launch(cfg, args: argparse.Namespace) -> None:
+def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
     """What every rank would refuse alike, said once by the launcher: missing data files, a
-    missing --resume, prefetch of cached rows (single-process only)."""
+    missing --resume, prefetch of cached rows (single-process only), and, with a plan file or
+    --resume, what needs the tables' sizes: rows or columns of a table no shard covers, a
+    checkpoint of other tables or optimizers, or an epoch position the new batches cannot continue."""
     from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
+    from neorec.sharding import ShardingPlan
 
     cfg.data.check_inputs_exist()
     if args.resume and not Path(args.resume).exists():
@@ -262,6 +265,19 @@ def _check_before_launch(cfg, args: argparse.Namespace) -> None:
     if location.prefetch and any(location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
         raise ValueError(PREFETCH_SINGLE_PROCESS)
     check_gpus_for_ranks(cfg.train.device, args.nproc)
+    if isinstance(plan, ShardingPlan) or args.resume:
+        from neorec.data import make_data_source
+        from neorec.planner.names import TIERS
+        from neorec.train.checkpoint import check_resume_before_launch
+
+        source = make_data_source(cfg.data)  # (the ranks build it again: small next to their model)
+        if isinstance(plan, ShardingPlan):
+            try:
+                plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), args.nproc, tiers=TIERS)
+            except ValueError as exc:
+                raise ValueError(f"{exc} ({args.plan})") from None
+        if args.resume:
+            check_resume_before_launch(Path(args.resume), cfg, source, args.nproc)
 
 
 def check_gpus_for_ranks(device: str, nproc: int) -> None:

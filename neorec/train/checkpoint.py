@@ -348,7 +348,7 @@ class Checkpointer:
                 "global_batch_size": trainer.cfg.data.batch_size * self.world_size,
                 "world_size": self.world_size, "row_bits": self.cfg.row_bits,
                 "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
-                "tables": _table_shapes(trainer),
+                "tables": _table_shapes(trainer.cfg, trainer.source),
                 "sparse_optimizer": trainer.cfg.embedding.optimizer.kind,
                 "sparse_step": max((m["sparse_step"] for m in metas if m["sparse_step"] is not None), default=0),
                 "pieces": {f["file"]: f["entries"] for m in metas for f in m["files"]},
@@ -430,25 +430,12 @@ class Checkpointer:
                 raise ValueError(f"--resume: no complete checkpoint in {location}")
             path, manifest = found
         trainer = self.trainer
-        _check_compatible(manifest, trainer, path)
+        samples_in_epoch = check_resumable(manifest, path, trainer.cfg, trainer.source, self.world_size)
         changed = _changed_optimizer_settings(manifest.get("config", {}), trainer.cfg.to_dict())
         if changed:
             self._say(f"resuming {path.name} with other optimizer settings than its run's, which apply from "
                       f"here: {', '.join(changed)}")
         global_batch = trainer.cfg.data.batch_size * self.world_size
-        epoch_samples = trainer.source.num_train_samples()
-        samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
-        epoch_done = samples_in_epoch >= epoch_samples  # its last batch may have been short: any batch continues
-        if epoch_done:
-            samples_in_epoch = -(-epoch_samples // global_batch) * global_batch  # the new batches' whole epoch
-        if samples_in_epoch % global_batch:
-            fits = [b for b in range(1, 2 * trainer.cfg.data.batch_size + 1)
-                    if samples_in_epoch % (b * self.world_size) == 0]
-            hint = (f"; e.g. data.batch_size={min(fits, key=lambda b: abs(b - trainer.cfg.data.batch_size))} on "
-                    f"{self.world_size} rank(s) continues it") if fits else ""
-            raise ValueError(f"resume from {path}: {samples_in_epoch} samples of epoch {manifest['epoch']} were "
-                             f"trained with global batches of {manifest['global_batch_size']}; that is not a whole "
-                             f"number of the new global batches of {global_batch} (data.batch_size x ranks){hint}")
         chain = []
         files = MappedFiles()
         for name, directory, part in _chain_parts(path, manifest):
@@ -498,8 +485,8 @@ def _unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def _table_shapes(trainer) -> Dict[str, List[int]]:
-    tables = trainer.source.tables(trainer.cfg.model.embedding_dim, trainer.cfg.model.pooling)
+def _table_shapes(cfg, source) -> Dict[str, List[int]]:
+    tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
     return {t.name: [t.num_embeddings, t.embedding_dim] for t in tables}
 
 
@@ -515,23 +502,64 @@ def _changed_optimizer_settings(saved: dict, current: dict) -> List[str]:
     return changed
 
 
-def _check_compatible(manifest: dict, trainer, path: Path) -> None:
-    saved, current = manifest["tables"], _table_shapes(trainer)
+def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:
+    saved, current = manifest["tables"], _table_shapes(cfg, source)
     if saved != current:
         diff = sorted(n for n in set(saved) | set(current) if saved.get(n) != current.get(n))
         raise ValueError(f"resume from {path}: the model's tables differ from the checkpoint's: {diff} "
                          f"(checkpoint {[saved.get(n) for n in diff]}, model {[current.get(n) for n in diff]})")
-    if manifest["sparse_optimizer"] != trainer.cfg.embedding.optimizer.kind:
+    if manifest["sparse_optimizer"] != cfg.embedding.optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
-                         f"the config {trainer.cfg.embedding.optimizer.kind!r}")
+                         f"the config {cfg.embedding.optimizer.kind!r}")
     saved_pooling = manifest.get("config", {}).get("model", {}).get("pooling")
-    if saved_pooling is not None and saved_pooling != trainer.cfg.model.pooling:  # same shapes, another model
+    if saved_pooling is not None and saved_pooling != cfg.model.pooling:  # same shapes, another model
         raise ValueError(f"resume from {path}: checkpoint was trained with model.pooling = {saved_pooling!r}, the "
-                         f"config has {trainer.cfg.model.pooling!r} (set model.pooling = {saved_pooling!r})")
+                         f"config has {cfg.model.pooling!r} (set model.pooling = {saved_pooling!r})")
     saved_dense = manifest.get("config", {}).get("dense_optimizer", {}).get("kind")
-    if saved_dense is not None and saved_dense != trainer.cfg.dense_optimizer.kind:
+    if saved_dense is not None and saved_dense != cfg.dense_optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has dense optimizer {saved_dense!r}, the config "
-                         f"{trainer.cfg.dense_optimizer.kind!r} (set dense_optimizer.kind = {saved_dense!r})")
+                         f"{cfg.dense_optimizer.kind!r} (set dense_optimizer.kind = {saved_dense!r})")
+
+
+def check_resumable(manifest: dict, path: Path, cfg, source, world_size: int) -> int:
+    """ValueError if the checkpoint ``manifest`` (of ``path``) cannot go on as a run of ``cfg`` on
+    ``source`` with ``world_size`` ranks: other tables, optimizers or pooling, or an epoch position
+    the new global batches cannot continue. Returns the samples of its epoch that are done."""
+    _check_compatible(manifest, cfg, source, path)
+    global_batch = cfg.data.batch_size * world_size
+    epoch_samples = source.num_train_samples()
+    samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
+    if samples_in_epoch >= epoch_samples:  # its last batch may have been short: any batch continues
+        samples_in_epoch = -(-epoch_samples // global_batch) * global_batch  # the new batches' whole epoch
+    if samples_in_epoch % global_batch:
+        fits = [b for b in range(1, 2 * cfg.data.batch_size + 1) if samples_in_epoch % (b * world_size) == 0]
+        hint = (f"; e.g. data.batch_size={min(fits, key=lambda b: abs(b - cfg.data.batch_size))} on "
+                f"{world_size} rank(s) continues it") if fits else ""
+        raise ValueError(f"resume from {path}: {samples_in_epoch} samples of epoch {manifest['epoch']} were "
+                         f"trained with global batches of {manifest['global_batch_size']}; that is not a whole "
+                         f"number of the new global batches of {global_batch} (data.batch_size x ranks){hint}")
+    return samples_in_epoch
+
+
+def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> None:
+    """What every rank of a ``--nproc`` run would refuse alike about ``--resume location``, said
+    once by the launcher (``check_resumable`` on the checkpoint the ranks will take). Reads manifests
+    only: the ranks verify the files' checksums, and say it if a checkpoint is torn or corrupt."""
+    location = Path(location)
+    if not location.is_dir():
+        return  # (the ranks say what is wrong with it)
+    if _step_of(location) is not None or (location / MANIFEST).exists():
+        candidates = [location]
+    else:
+        candidates = sorted((p for p in location.iterdir() if p.is_dir() and _step_of(p) is not None),
+                            key=_step_of, reverse=True)
+    for path in candidates:
+        try:
+            manifest = _read_manifest(path)
+        except ValueError:
+            continue  # torn or corrupt: the ranks report it and take an older one (or stop)
+        check_resumable(manifest, path, cfg, source, world_size)
+        return
 
 
 def _dense_state(trainer) -> Tuple[Dict[str, torch.Tensor], dict]:

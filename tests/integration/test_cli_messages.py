@@ -152,6 +152,42 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     assert err.count("\n") == 1 and "embedding.location.prefetch = true needs a single-process run" in err, err
 
 
+def test_nproc_checks_table_sizes_against_the_plan_and_the_checkpoint_once(tmp_path, capsys, monkeypatch):
+    """Rows no shard covers and a --resume checkpoint the model cannot continue were said by each
+    rank (`neorec train (rank 1): error: ...` N times, after the ranks had started)."""
+    import neorec.train.launch as launch
+
+    started = []
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: started.append(argv) or 0)
+    plan = json.loads((ROOT / "configs" / "tiny_plan_2ranks.json").read_text())
+    plan["tables"]["t_feature_2"]["shards"][1]["row_end"] = 1900
+    (tmp_path / "short.json").write_text(json.dumps(plan))
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(tmp_path / "short.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'t_feature_2' (row_wise): rows [1900, 2000) are in no shard" in err, err
+    assert "short.json" in err
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["train", "--config", str(TINY), "--set", "train.max_steps=4", "--set", f"checkpoint.dir='{ckpt}'",
+                 "--set", "checkpoint.every_steps=2", "--set", f"train.output_dir='{tmp_path / 'run'}'"]) == 0
+    capsys.readouterr()
+    wider = ["--set", "model.embedding_dim=16", "--set", "model.dense_layers=[32,16]"]
+    for extra, message in ((wider, "the model's tables differ from the checkpoint's"),
+                           (["--set", "data.batch_size=100"], "not a whole number of the new global batches of 200")):
+        for where in (ckpt, ckpt / "step-000000004"):
+            assert main(["train", "--config", str(TINY), "--nproc", "2", "--resume", str(where), *extra]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and message in err and "step-000000004" in err, err
+    (ckpt / "step-000000004" / "manifest.json").write_text("{torn")  # the ranks skip it: so does the check
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--resume", str(ckpt), *wider]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "resume from " + str(ckpt / "step-000000002") in err, err
+    assert not started
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--resume", str(ckpt),
+                 "--plan", str(ROOT / "configs" / "tiny_plan_2ranks.json")]) == 0
+    assert len(started) == 1
+
+
 def test_nproc_with_a_leftover_rank_and_world_size_says_so(monkeypatch, capsys):
     """RANK / WORLD_SIZE exported in the shell made `--nproc 2` join a world nobody started (a wait
     for a rendezvous until the timeout) instead of starting its ranks."""
