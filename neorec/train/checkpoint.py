@@ -165,6 +165,38 @@ def newest_saved_step(root: Path) -> Optional[int]:
 
 
 @dataclass
+class ResumeChoice:
+    """Where a run resumes from (``choose_resume``): ``location`` (None: it starts fresh), the
+    checkpoint already found and verified there (``found``: path, manifest), and what to say."""
+
+    location: Optional[str] = None
+    found: Optional[Tuple[Path, dict]] = None
+    said: str = ""
+
+
+def choose_resume(cfg: CheckpointConfig, resume: Optional[str]) -> ResumeChoice:
+    """``resume``, or, for a worker restarted by torchrun with ``auto_resume``, the newest complete
+    checkpoint of ``checkpoint.dir`` (where this run saved before the restart; ``resume`` only when
+    it holds none). Decided before the model is built: a run that resumes draws no initial rows."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    root = Path(cfg.dir) if cfg.dir else None
+    if not (cfg.auto_resume and restarted and root is not None):
+        return ResumeChoice(resume)
+    skipped = io.StringIO()  # newer torn or corrupt checkpoints, said by the trainer's rank 0
+    found = find_latest_complete(root, out=skipped)
+    if found is not None:
+        said = skipped.getvalue()
+        if resume is not None and Path(resume).resolve() != root.resolve():
+            said += (f"checkpoint: restarted by torchrun: resuming from {root}, where this run saved, "
+                     f"not from --resume {resume}\n")
+        return ResumeChoice(str(root), found, said)
+    if resume is None:
+        return ResumeChoice(None, None, f"checkpoint: restarted by torchrun, but {root} holds no complete "
+                                        f"checkpoint: starting fresh\n")
+    return ResumeChoice(resume)
+
+
+@dataclass
 class Position:
     """Where training is: ``batch_in_epoch`` global batches of ``epoch`` are done."""
 
@@ -212,23 +244,15 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # ------------------------------------------------------------------------------ trainer hooks
-    def start(self, resume: Optional[str], steps_per_epoch: int) -> Position:
-        """Restore from ``resume``, or, under a torchrun restart with ``auto_resume``, from the newest
-        complete checkpoint of ``checkpoint.dir`` (where this run saved before the restart; ``resume``
-        only when it holds none); returns the position to continue from (zero when starting fresh)."""
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        if self.cfg.auto_resume and restarted and self.root is not None:
-            if find_latest_complete(self.root, out=io.StringIO()) is not None:
-                if resume is not None and Path(resume).resolve() != self.root.resolve():
-                    self._say(f"restarted by torchrun: resuming from {self.root}, where this run saved, "
-                              f"not from --resume {resume}")
-                resume = str(self.root)
-            elif resume is None:
-                self._say(f"restarted by torchrun, but {self.root} holds no complete checkpoint: starting fresh")
-        if resume is None:
+    def start(self, choice: "ResumeChoice", steps_per_epoch: int) -> Position:
+        """Restore from ``choice`` (``choose_resume``); returns the position to continue from (zero
+        when starting fresh)."""
+        if choice.said and self.rank == 0:
+            print(choice.said, end="", file=self.trainer.out, flush=True)
+        if choice.location is None:
             self._refuse_other_runs(None)
             return Position()
-        position = self.restore(Path(resume))
+        position = self.restore(Path(choice.location), found=choice.found)
         self._refuse_other_runs(position.step)
         if position.batch_in_epoch >= steps_per_epoch:
             position = Position(position.step, position.epoch + 1, 0)
@@ -404,10 +428,11 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------------------ restore
-    def restore(self, location: Path) -> Position:
+    def restore(self, location: Path, found: Optional[Tuple[Path, dict]] = None) -> Position:
         """Load a checkpoint into the trainer and return its position: the newest complete one under
         ``location`` (a root; newer torn or corrupt ones are reported and skipped), or ``location``
-        itself when it names one checkpoint (an error if that one is incomplete or corrupt)."""
+        itself when it names one checkpoint (an error if that one is incomplete or corrupt).
+        ``found``: (path, manifest) of the checkpoint to load, already verified (not again)."""
         location = Path(location)
         if not location.exists():
             raise ValueError(f"--resume: {location} does not exist")
@@ -415,7 +440,9 @@ class Checkpointer:
             raise ValueError(f"--resume: {location} is a file; give a checkpoint folder (checkpoint.dir, or one "
                              f"step-N folder in it)")
         named = _step_of(location) is not None or (location / MANIFEST).exists()  # one checkpoint, not a root
-        if named:  # the user chose this step: use it or stop, never an older one in its place
+        if found is not None:
+            path, manifest = found
+        elif named:  # the user chose this step: use it or stop, never an older one in its place
             try:
                 path, manifest = location, verify_checkpoint(location)
             except (ValueError, KeyError, TypeError, OSError) as exc:

@@ -133,9 +133,12 @@ class Trainer:
 
             comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
+        from neorec.train.checkpoint import choose_resume
+
         # a resumed run's tables get every row from the checkpoint: no initial rows are drawn for
         # them or written to its row stores (for an SSD store, a write of the whole table)
-        initial_rows = resume is None
+        self.resume = choose_resume(cfg.checkpoint, resume)  # (a torchrun restart: where it saved)
+        initial_rows = self.resume.location is None
         with self._build_progress(tables if initial_rows else []):  # (resumed: nothing drawn, nothing to say)
             sparse_arch = self._sharded_collection(plan, comm_stats, initial_rows) if distributed is not None else None
             self.model = build_model(cfg, self.source, self.device, sparse_arch, initial_rows=initial_rows)
@@ -157,9 +160,8 @@ class Trainer:
         self.run_id = secrets.token_hex(8)  # in every metrics record; a checkpoint lists its runs
         self.ancestor_runs: List[Optional[str]] = []  # the runs a resumed checkpoint descends from
         self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
-        self.resume = resume  # a checkpoint (root) to continue from: neorec/train/checkpoint.py
         self.checkpointer = None
-        if cfg.checkpoint.dir or resume is not None:
+        if cfg.checkpoint.dir or self.resume.location is not None:
             from neorec.train.checkpoint import Checkpointer
             self.checkpointer = Checkpointer(cfg.checkpoint, self)
 
