@@ -474,14 +474,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.data_command is None:  # `neorec data` alone: its commands' usage, as `neorec` alone does
-        _subparser(parser, "data").print_help()
+        parser.command_parsers["data"].print_help()
         return EXIT_USAGE
     from neorec.config import toml_string
     from neorec.data import criteo
 
     if args.data_command == "write-criteo":
-        if args.lines < 0:  # named as the option, not as the function's parameter
-            raise ValueError(f"--lines must be >= 0, got {args.lines}")
+        for option, value in (("--lines", args.lines), ("--seed", args.seed)):  # named as the options
+            if value < 0:
+                raise ValueError(f"{option} must be >= 0, got {value}")
         criteo.write_criteo_tsv(args.path, num_lines=args.lines, seed=args.seed, held_out=args.held_out)
         print(f"wrote {args.lines:,} {'held-out ' if args.held_out else ''}lines to {args.path}")
         return 0
@@ -501,6 +502,9 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"{skipped} ({stats.num_bytes / 2**20:,.1f} MiB read in {stats.seconds:.1f} s)")
             for example in stats.skipped_examples:
                 print(f"  skipped {example}")
+            if stats.num_rows == 0:  # training on it would stop at "has no training rows"
+                raise ValueError(f"{tsv} holds no rows ({'every line is malformed' if stats.num_lines else 'empty'}):"
+                                 f" nothing to {'train' if split == 'train' else 'evaluate'} on")
         if args.eval_tsv is not None:
             sets.append(f"data.criteo.eval_path={toml_string(args.eval_tsv)}")
         if args.processed_dir is not None:
@@ -512,14 +516,6 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + " ".join(f"--set {shlex.quote(s)}" for s in sets))  # TOML strings, quoted for the shell
         return 0
     raise ValueError(f"unknown data command {args.data_command!r}")  # pragma: no cover - argparse refuses it
-
-
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The parser of the command ``name`` (``neorec NAME``)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[name]
-    raise KeyError(name)  # pragma: no cover
 
 
 def _env_flag(name: str) -> bool:

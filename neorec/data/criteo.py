@@ -30,10 +30,8 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from functools import partial
-from itertools import islice
 from pathlib import Path
-from typing import Iterator, List
+from typing import BinaryIO, Callable, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -58,6 +56,10 @@ SHUFFLE_BLOCK_ROWS = 256
 DEFAULT_CHUNK_LINES = 2048
 PROGRESS_BYTES = 64 << 20  # files at least this large announce their preprocessing and show a bar
 MAX_LINE_BYTES = 1 << 20  # a Criteo line is a few hundred bytes; a longer one is not read whole
+CHUNK_BYTES = 16 << 20  # a chunk also ends at this many bytes: parsing takes ~10x a chunk's bytes
+# compressed files read as they are (the Terabyte logs ship as day_N.gz) and those that are refused
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bz2", b"\xfd7zXZ\x00": "xz"}
+_UNREADABLE = {b"\x28\xb5\x2f\xfd": ("zstd", "unzstd"), b"PK\x03\x04": ("zip", "unzip")}
 OUTPUT_NAMES = ("dense.f32", "categorical.i32", "categorical.i64", "labels.u8", META_FILE)
 _TEMPORARY = re.compile(r"\.(.+)\.tmp-(\d+)")  # ".<name>.tmp-<pid>", see preprocess_criteo
 _held_locks = threading.local()  # the lock files this thread holds (the lock is reentrant)
@@ -86,7 +88,8 @@ def preprocess_criteo(
 ) -> PreprocessStats:
     """Stream a raw Criteo TSV into the processed layout in ``out_dir`` (see the module docstring).
 
-    Reads ``chunk_lines`` lines at a time, so memory stays bounded whatever the file size. A
+    Reads ``chunk_lines`` lines (at most ``CHUNK_BYTES``) at a time, so memory stays bounded
+    whatever the file and its lines; a gzip, bz2 or xz file is read through its decompressor. A
     malformed line raises ``ValueError("<file>:<line>: <reason>")`` or, with ``skip_malformed``, is
     counted and left out. Files are written under temporary names (``.<name>.tmp-<pid>``) and
     renamed when complete; ``meta.json`` is written last, so a crash never leaves a cache that
@@ -123,9 +126,9 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
                disable=None if large else True, file=sys.stderr, leave=False)  # None: only on a terminal
     files = {k: open(p, "wb") for k, p in tmp.items()}
     try:
-        with open(tsv_path, "rb") as f:
+        with open_tsv(tsv_path) as (f, position):
             while True:
-                lines = list(islice(iter(partial(f.readline, MAX_LINE_BYTES), b""), chunk_lines))
+                lines = _read_chunk(f, chunk_lines)
                 if not lines:
                     break
                 _refuse_long_line(tsv_path, lines, stats.num_lines)
@@ -134,7 +137,7 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
                 parsed = parse_chunk(buf, stats.num_lines + 1, num_embeddings)
                 stats.num_lines += buf.count(b"\n") + (0 if buf.endswith(b"\n") else 1)
                 stats.num_bytes += len(buf)
-                bar.update(len(buf))
+                bar.update(position() - bar.n)  # bytes of the file (compressed ones: before decompressing)
                 del buf
                 if parsed.errors:
                     line, reason = parsed.errors[0]
@@ -162,6 +165,8 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
         (out_dir / META_FILE).unlink(missing_ok=True)
         for k, name in names.items():
             os.replace(tmp[k], out_dir / name)
+        for name in set(OUTPUT_NAMES) - set(names.values()) - {META_FILE}:  # another id width's copy
+            (out_dir / name).unlink(missing_ok=True)
         meta = {
             "format": "neorec-criteo", "version": FORMAT_VERSION, "num_rows": stats.num_rows,
             "num_dense": NUM_INTEGER, "num_categorical": NUM_CATEGORICAL,
@@ -183,6 +188,53 @@ def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malform
         for p in tmp.values():
             p.unlink(missing_ok=True)
     return stats
+
+
+@contextmanager
+def open_tsv(path: Path) -> Iterator[Tuple[BinaryIO, Callable[[], int]]]:
+    """``path`` opened for reading its text in binary, through its decompressor when it starts with
+    a gzip, bz2 or xz header, with a function that gives how many bytes of the file were read (for
+    progress). A zstd or zip file is refused with how to decompress it."""
+    import bz2
+    import gzip
+    import lzma
+    import zlib
+
+    with open(path, "rb") as raw:
+        head = raw.read(6)
+        raw.seek(0)
+        for magic, (kind, tool) in _UNREADABLE.items():
+            if head.startswith(magic):
+                raise ValueError(f"{path} is a {kind} file; decompress it first (e.g. `{tool} {path}`) and give "
+                                 f"the uncompressed file (gzip, bz2 and xz files are read as they are)")
+        kind = next((kind for magic, kind in _COMPRESSED.items() if head.startswith(magic)), None)
+        if kind is None:
+            yield raw, raw.tell
+            return
+        opener = {"gzip": lambda: gzip.GzipFile(fileobj=raw, mode="rb"), "bz2": lambda: bz2.BZ2File(raw, "rb"),
+                  "xz": lambda: lzma.LZMAFile(raw, "rb")}[kind]
+        with opener() as f:  # (closing it leaves raw to its own `with`)
+            try:
+                yield f, raw.tell
+            except EOFError:
+                raise ValueError(f"{path}: the {kind} stream ends early: the file is truncated (an interrupted "
+                                 f"download or copy?)") from None
+            except (zlib.error, gzip.BadGzipFile, lzma.LZMAError) as exc:
+                raise ValueError(f"{path}: the {kind} data is corrupt ({exc})") from None
+
+
+def _read_chunk(f: BinaryIO, chunk_lines: int) -> List[bytes]:
+    """Up to ``chunk_lines`` lines of ``f`` (each at most MAX_LINE_BYTES: see _refuse_long_line),
+    fewer when they reach CHUNK_BYTES."""
+    lines: List[bytes] = []
+    size = 0
+    while len(lines) < chunk_lines and size < CHUNK_BYTES:
+        line = f.readline(MAX_LINE_BYTES)
+        if not line:
+            break
+        lines.append(line)
+        size += len(line)
+    return lines
 
 
 def _refuse_long_line(tsv_path: Path, lines: List[bytes], lines_before: int) -> None:

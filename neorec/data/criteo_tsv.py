@@ -261,6 +261,8 @@ def write_criteo_tsv(
     """
     if num_lines < 0:
         raise ValueError(f"num_lines must be >= 0, got {num_lines}")
+    if seed < 0:  # (said here, not as the synthetic source's data.synthetic.seed)
+        raise ValueError(f"seed must be >= 0, got {seed}")
     if not 0.0 <= missing_rate < 0.5:
         raise ValueError(f"missing_rate must be in [0, 0.5), got {missing_rate}")
     source = SyntheticSource(SyntheticConfig(

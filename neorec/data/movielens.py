@@ -82,17 +82,23 @@ def _find_file(directory: Path, kind: str) -> Path:
 
 def read_table(path: Path, required: Sequence[str]) -> Columns:
     """Columns (by header name without its ``:type``) of a typed-header TSV file; blank lines are
-    skipped (``LINE`` holds the line numbers of the rows kept)."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a byte-order mark is not the header's
-        lines = f.read().splitlines()
-    if not lines:
+    skipped (``LINE`` holds the line numbers of the rows kept), fields are stripped of surrounding
+    whitespace ("M " was a gender of its own). UTF-8, else Latin-1: every byte stays itself (an
+    undecodable one became U+FFFD, so "t\xe9ch" and "t\xe8ch" were one occupation)."""
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a byte-order mark is not the header's
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("latin-1")
+    lines = [line.rstrip("\r") for line in text.split("\n")]  # (not splitlines: Latin-1's \x85 ends no line)
+    if not text:
         raise ValueError(f"{path}: empty file; expected a header line such as 'user_id:token\\t...'")
     names = [h.split(":", 1)[0].strip() for h in lines[0].split("\t")]
     missing = [c for c in required if c not in names]
     if missing:
         raise ValueError(f"{path}: header lacks columns {missing}; found {names}; expected {_EXPECTED}")
     numbers = [number for number, line in enumerate(lines[1:], 2) if line]
-    rows = [lines[number - 1].split("\t") for number in numbers]
+    rows = [[field.strip() for field in lines[number - 1].split("\t")] for number in numbers]
     for number, row in zip(numbers, rows):
         if len(row) != len(names):
             raise ValueError(f"{path}:{number}: expected {len(names)} tab-separated fields "
@@ -112,7 +118,7 @@ def _grouplens_rows(path: Path, separator: str, width: int) -> List[list]:
             line = line.rstrip("\r\n")
             if not line:
                 continue
-            fields = line.split(separator) if separator else line.split()
+            fields = [field.strip() for field in line.split(separator)] if separator else line.split()
             if len(fields) != width:
                 raise ValueError(f"{path}:{number}: expected {width} {separator or 'whitespace'}-separated "
                                  f"fields, found {len(fields)}")
@@ -123,7 +129,11 @@ def _grouplens_rows(path: Path, separator: str, width: int) -> List[list]:
 def read_grouplens(directory: Path) -> Dict[str, Columns]:
     """GroupLens' ml-100k files as the columns of the RecBole layout (``REQUIRED``'s names): genres
     become the space-separated names of the flagged genres, the release date its year."""
-    genre_rows = _grouplens_rows(directory / GROUPLENS["genre"], "|", 2)
+    genre_path = directory / GROUPLENS["genre"]
+    genre_rows = _grouplens_rows(genre_path, "|", 2)
+    for row in genre_rows:
+        if not row[1].isdigit():
+            raise ValueError(f"{genre_path}:{row[-1]}: genre {row[0]!r} has index {row[1]!r}, expected a number")
     genres = [row[0] for row in sorted(genre_rows, key=lambda row: int(row[1]))]
     inter_rows = _grouplens_rows(directory / GROUPLENS["inter"], "", 4)
     user_rows = _grouplens_rows(directory / GROUPLENS["user"], "|", 5)

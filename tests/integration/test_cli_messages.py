@@ -78,6 +78,26 @@ def test_write_criteo_into_a_missing_directory_names_the_path_given(tmp_path, ca
     assert f"cannot write {blocker / 'x.tsv'}: its directory {blocker} is not a directory" in capsys.readouterr().err
 
 
+def test_preprocessing_a_tsv_without_rows_fails_and_a_negative_seed_is_named_as_the_option(tmp_path, capsys):
+    """An empty TSV, or one whose every line was skipped as malformed, was 'preprocessed' with exit
+    code 0 and a `train on it with: ...` line for a run that stops at 'has no training rows'; a
+    negative --seed was said as 'data.synthetic.seed', a key the user never set."""
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    assert main(["data", "preprocess-criteo", str(empty), str(tmp_path / "a")]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"neorec data: error: {empty} holds no rows (empty): nothing to train on\n" and "train on it" not in out
+    junk = tmp_path / "junk.tsv"
+    junk.write_text("a,b,c\n1,2,3\n")
+    assert main(["data", "preprocess-criteo", str(junk), str(tmp_path / "b"), "--skip-malformed"]) == 2
+    out, err = capsys.readouterr()
+    assert "2 malformed lines skipped" in out and "train on it" not in out
+    assert err == f"neorec data: error: {junk} holds no rows (every line is malformed): nothing to train on\n"
+    assert main(["data", "write-criteo", str(tmp_path / "x.tsv"), "--lines", "10", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == "neorec data: error: --seed must be >= 0, got -1\n"
+    assert not (tmp_path / "x.tsv").exists()
+
+
 def test_train_names_the_set_that_makes_data_keys_disagree(tmp_path, capsys):
     rc = main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "run"), "--no-progress",
                "--set", "data.synthetic.num_tables=2"])

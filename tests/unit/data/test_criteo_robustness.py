@@ -168,3 +168,67 @@ def test_a_line_too_long_to_be_criteo_is_refused_by_number(tmp_path, monkeypatch
     for skip in (False, True):
         with pytest.raises(ValueError, match=rf"bad.tsv:8: a line of {longest:,} bytes or more"):
             criteo.preprocess_criteo(bad, tmp_path / f"bad{skip}", num_embeddings=1000, skip_malformed=skip)
+
+
+def test_a_chunk_ends_at_chunk_bytes_so_wide_lines_stay_bounded(tmp_path, monkeypatch):
+    """Chunks were bounded by their line count alone: 2048 lines of 200 kB of a wrong file (a
+    wide CSV) took 4 GB of parsing arrays before its first line was refused. Now a chunk also ends
+    at CHUNK_BYTES, and the result does not depend on where the chunks end."""
+    import neorec.data.criteo as criteo
+
+    tsv = tmp_path / "day.tsv"
+    criteo.write_criteo_tsv(tsv, 300, seed=2)
+    whole = criteo.preprocess_criteo(tsv, tmp_path / "whole", num_embeddings=1000)
+    sizes = []
+    parse = criteo.parse_chunk
+    monkeypatch.setattr(criteo, "parse_chunk", lambda buf, *args: sizes.append(len(buf)) or parse(buf, *args))
+    monkeypatch.setattr(criteo, "CHUNK_BYTES", 2000)
+    longest = max(len(line) for line in tsv.read_bytes().splitlines(keepends=True))
+    stats = criteo.preprocess_criteo(tsv, tmp_path / "small", num_embeddings=1000)
+    assert len(sizes) > 10 and max(sizes) < 2000 + longest and sum(sizes) == tsv.stat().st_size
+    assert (stats.num_rows, stats.num_lines) == (whole.num_rows, whole.num_lines) == (300, 300)
+    for name in ("dense.f32", "categorical.i32", "labels.u8"):
+        assert (tmp_path / "small" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bz2", "xz"])
+def test_a_compressed_tsv_is_read_through_its_decompressor(tmp_path, kind):
+    """The Terabyte logs ship as day_N.gz: one was refused as 'expected 40 tab-separated columns
+    (...), found 2' and, with skip_malformed, became 0 rows and exit code 0."""
+    import bz2
+    import gzip
+    import lzma
+
+    import neorec.data.criteo as criteo
+
+    tsv = tmp_path / "day.tsv"
+    criteo.write_criteo_tsv(tsv, 500, seed=5)
+    compress = {"gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[kind]
+    packed = tmp_path / "day.packed"  # (known by its first bytes, not by its name)
+    packed.write_bytes(compress(tsv.read_bytes()))
+    plain = load_or_preprocess(tsv, tmp_path / "plain", ROWS)
+    read = load_or_preprocess(packed, tmp_path / "packed", ROWS)
+    assert read.num_rows == plain.num_rows == 500
+    for key in ("dense", "categorical", "labels"):
+        assert (getattr(read, key) == getattr(plain, key)).all(), key
+    (tmp_path / "cut.tsv").write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"cut.tsv: the {kind} stream ends early: the file is truncated"):
+        preprocess_criteo(tmp_path / "cut.tsv", tmp_path / "cut", ROWS, skip_malformed=True)
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == []  # no temporaries left
+
+
+def test_zstd_and_zip_files_are_refused_with_how_to_decompress_them(tmp_path):
+    for name, head, tool in (("day.zst", b"\x28\xb5\x2f\xfd", "unzstd"), ("day.zip", b"PK\x03\x04", "unzip")):
+        (tmp_path / name).write_bytes(head + b"\0" * 100)
+        with pytest.raises(ValueError, match=rf"{name} is a \w+ file; decompress it first \(e.g. `{tool} "):
+            preprocess_criteo(tmp_path / name, tmp_path / "out", ROWS, skip_malformed=True)
+
+
+def test_rebuilding_with_wider_ids_removes_the_narrow_copy(tsv, tmp_path):
+    """categorical.i32 stayed beside the new categorical.i64 (hundreds of GB for the Terabyte logs)."""
+    out = tmp_path / "out"
+    load_or_preprocess(tsv, out, ROWS)
+    assert (out / "categorical.i32").exists()
+    load_or_preprocess(tsv, out, 2**31 + 5)
+    assert sorted(p.name for p in out.iterdir()) == ["categorical.i64", "dense.f32", "labels.u8", "meta.json"]
+    assert open_processed(out).categorical.dtype.name == "int64"

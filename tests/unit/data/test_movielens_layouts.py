@@ -229,3 +229,39 @@ def test_a_user_or_item_listed_twice_is_refused(tmp_path, layout):
     item_file = "u.item" if layout == "grouplens" else "ml-items.item"
     with pytest.raises(ValueError, match=rf"{item_file}:\d+: item '2' is listed again"):
         MovieLensSource(MovieLensConfig(path=str(directory)))
+
+
+@pytest.mark.parametrize("layout", ["grouplens", "recbole"])
+def test_spaces_around_a_field_do_not_make_a_category_of_their_own(tmp_path, layout):
+    """A gender "M " was a third gender beside "M" and "F"; an occupation " other" another."""
+    write = write_grouplens if layout == "grouplens" else write_recbole
+    plain = MovieLensSource(MovieLensConfig(path=str(write(tmp_path / "ml-plain"))))
+    spaced = [(u, a, f"{g} ", f" {o}", z) for u, a, g, o, z in USERS]
+    loose = MovieLensSource(MovieLensConfig(path=str(write(tmp_path / "ml-loose", users=spaced))))
+    assert loose.vocabularies == plain.vocabularies and loose.vocabularies["gender"] == {"F": 1, "M": 2}
+    for a, b in zip(batches(plain), batches(loose)):
+        assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(a.dense, b.dense)
+
+
+def test_a_recbole_file_that_is_not_utf8_keeps_its_tokens_apart(tmp_path):
+    """Bytes that are not UTF-8 became U+FFFD, so two occupations "t\\xe9ch" and "t\\xe8ch" (Latin-1)
+    were one; Latin-1's \\x85 (an ellipsis in cp1252 titles) must not end a line either."""
+    users = [(u, a, g, {"technician": "t\xe9ch", "other": "t\xe8ch"}.get(o, o), z) for u, a, g, o, z in USERS]
+    directory = write_recbole(tmp_path / "ml-latin")
+    name = directory.name
+    (directory / f"{name}.user").write_bytes((
+        "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
+        + "".join("\t".join(u) + "\n" for u in users)).encode("latin-1"))
+    item = (directory / f"{name}.item").read_bytes().replace(b"GoldenEye", b"Golden\x85Eye")
+    (directory / f"{name}.item").write_bytes(item)
+    source = MovieLensSource(MovieLensConfig(path=str(directory)))
+    assert source.vocabularies["occupation"] == {"administrator": 1, "student": 2, "t\xe8ch": 3, "t\xe9ch": 4}
+    assert len(source.vocabularies["item"]) == len(ITEMS)
+
+
+def test_a_genre_index_that_is_not_a_number_names_its_file_and_line(tmp_path):
+    """It was a bare "invalid literal for int() with base 10: 'two'"."""
+    directory = write_grouplens(tmp_path / "ml-100k")
+    (directory / "u.genre").write_text("unknown|0\nAction|1\nChildren's|two\nComedy|3\n")
+    with pytest.raises(ValueError, match=r"u.genre:3: genre \"Children's\" has index 'two', expected a number"):
+        MovieLensSource(MovieLensConfig(path=str(directory)))
