@@ -196,7 +196,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         try:
             return launch_local(args.nproc, list(argv))
         except (KeyboardInterrupt, Terminated):  # the ranks are stopped; say where to go on from; _main says why
-            print(f"neorec train: {_saved_checkpoint_hint(cfg.checkpoint.dir)}", file=sys.stderr)
+            print(f"neorec train: {_saved_checkpoint_hint(cfg.checkpoint.dir, args.resume)}", file=sys.stderr)
             raise
     if args.plan is not None:
         raise ValueError("--plan needs several processes: --nproc 2 or more, or start with torchrun")
@@ -237,17 +237,15 @@ def _terminate_raises():
 
 
 def _resume_hint(trainer) -> str:
-    from neorec.train.checkpoint import newest_saved_step
-
     checkpointer = trainer.checkpointer
     if checkpointer is None or checkpointer.root is None:
         return " (no checkpoints: set checkpoint.dir to be able to resume)"
-    # the folder too: a stop between a checkpoint's manifest and the end of its save said "none yet"
-    steps = [s for s in (checkpointer.last_saved_step, newest_saved_step(checkpointer.root)) if s is not None]
-    saved = max(steps) if steps else None
-    if saved is None:
+    # the folder too: a stop between a checkpoint's manifest and the end of its save said "none yet";
+    # and a run resumed from elsewhere that saved nothing yet goes on from that checkpoint
+    last = checkpointer.go_on_from()
+    if last is None:
         return " (no checkpoint saved yet)"
-    return f"; its last checkpoint is of step {saved}: --resume {trainer.cfg.checkpoint.dir} goes on from there"
+    return f"; its last checkpoint is of step {last[0]}: --resume {last[1]} goes on from there"
 
 
 def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
@@ -295,15 +293,17 @@ def check_gpus_for_ranks(device: str, nproc: int) -> None:
                          "CUDA_VISIBLE_DEVICES, or train.device = 'cpu')")
 
 
-def _saved_checkpoint_hint(root: str) -> str:
-    """Where a stopped multi-process run can go on from: its newest checkpoint under ``root``."""
+def _saved_checkpoint_hint(root: str, resumed: Optional[str] = None) -> str:
+    """Where a stopped multi-process run can go on from: its newest checkpoint under ``root``
+    (else the ``--resume`` it started from)."""
     from neorec.train.checkpoint import newest_saved_step
 
     if not root:
         return "no checkpoints (set checkpoint.dir to be able to resume)"
     step = newest_saved_step(Path(root))
     if step is None:
-        return f"no checkpoint saved yet in {root}"
+        again = f"; --resume {resumed} starts again from where it started" if resumed else ""
+        return f"no checkpoint saved yet in {root}{again}"
     return f"its newest checkpoint is of step {step}: --resume {root} goes on from there"
 
 

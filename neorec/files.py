@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 
 NAME_MAX = 255  # bytes in one file name on Linux file systems
-_TEMPORARY = re.compile(r"\..+\.(\d+)\.tmp")  # what temporary_name gives, whatever the pid
+TEMPORARY = re.compile(r"\..+\.(\d+)\.tmp")  # what temporary_name gives, whatever the pid
 
 
 def temporary_name(name: str, pid: Optional[int] = None) -> str:
@@ -57,7 +57,7 @@ def sweep_temporaries(folder: str | os.PathLike) -> list[Path]:
         return removed
     now = time.time()
     for p in entries:
-        match = _TEMPORARY.fullmatch(p.name)
+        match = TEMPORARY.fullmatch(p.name)
         if not match or int(match.group(1)) == os.getpid() or _process_alive(int(match.group(1))):
             continue
         try:

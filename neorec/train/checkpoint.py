@@ -40,6 +40,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.train.checkpoint_config import CheckpointConfig
-from neorec.files import write_atomic
+from neorec.files import TEMPORARY, write_atomic
 from neorec.train.checkpoint_files import MappedFiles, UnquantizableRowError, load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces, piece_bytes, restore_pieces,
                                             save_pieces)
@@ -233,7 +234,22 @@ class Checkpointer:
         self.last_saved_step: Optional[int] = None
         self.position = Position()
         self.resumed_from: Optional[Path] = None  # the checkpoint restored, if any
+        self.last_complete: Optional[Path] = None  # the newest complete checkpoint of this run (restored or saved)
         self.bytes_written: List[dict] = []  # one record per save (kind, bytes) for benchmarks
+
+    def go_on_from(self) -> Optional[Tuple[int, str]]:
+        """(step, what to give ``--resume``) of the newest complete checkpoint of this run:
+        ``checkpoint.dir`` when its newest is at least as new (a save that stopped after its
+        manifest counts), else the checkpoint it resumed from elsewhere. None: none yet."""
+        found = []
+        if self.root is not None:
+            newest = newest_saved_step(self.root)
+            if newest is not None:
+                found.append((newest, str(self.root)))
+        if self.last_complete is not None and self.last_saved_step is not None:
+            here = self.root is not None and self.last_complete.parent.resolve() == self.root.resolve()
+            found.append((self.last_saved_step, str(self.root) if here else str(self.last_complete)))
+        return max(found, key=lambda item: item[0]) if found else None  # (a tie: checkpoint.dir, first)
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -302,17 +318,24 @@ class Checkpointer:
     def _choose_kind(self) -> str:
         if not self.cfg.incremental or not self.chain:
             return "full"
+        full, incremental = self._payload_bytes()
+        if self.increment_bytes + incremental > self.cfg.full_when_fraction_exceeds * full:
+            return "full"
+        return "incremental"
+
+    def _payload_bytes(self) -> Tuple[float, float]:
+        """Bytes of the embedding tensors (rows, optimizer state, ids) that a full and an
+        incremental checkpoint of this step would write, summed over the ranks."""
         full = incremental = 0.0
         for piece in self.pieces:
             if piece.writes:
                 kind, rows = piece.holder.optimizer_kind, piece.row_end - piece.row_start
                 full += piece_bytes(kind, piece, rows, self.cfg.row_bits)
-                incremental += piece_bytes(kind, piece, piece.holder.count_modified(piece), self.cfg.row_bits)
+                incremental += piece_bytes(kind, piece, piece.holder.count_modified(piece), self.cfg.row_bits,
+                                           incremental=True)
         if self.world_size > 1:
             full, incremental = all_reduce_sums([full, incremental], self.group, self.trainer.device)
-        if self.increment_bytes + incremental > self.cfg.full_when_fraction_exceeds * full:
-            return "full"
-        return "incremental"
+        return full, incremental
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (every rank calls it at the same step). A file
@@ -322,8 +345,8 @@ class Checkpointer:
         except BrokenPipeError:  # the reader of our report line went away, not the disk: said by the CLI
             raise
         except (OSError, UnquantizableRowError) as exc:
-            step, last = self.trainer.step, self.last_saved_step
-            where = (f"its last complete checkpoint is of step {last}: --resume {self.root} goes on from there"
+            step, last = self.trainer.step, self.go_on_from()
+            where = (f"its last complete checkpoint is of step {last[0]}: --resume {last[1]} goes on from there"
                      if last is not None else "no checkpoint of it is complete yet")
             reason = (f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}"
                       if isinstance(exc, OSError) else str(exc))
@@ -385,6 +408,7 @@ class Checkpointer:
                 manifest["bases"] = {name: _read_manifest(path.parent / name).get("manifest_sha256")
                                      for name in chain[:-1]}
             manifest["manifest_sha256"] = _manifest_digest(manifest)
+            _remove_leftovers(path, set(files) | {f"rank{r}.json" for r in range(self.world_size)})
             write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
             self._prune(step)
         self._barrier()
@@ -394,7 +418,7 @@ class Checkpointer:
         else:
             self.chain.append(checkpoint_name(step))
             self.increment_bytes += total
-        self.last_saved_step = step
+        self.last_saved_step, self.last_complete = step, path
         self.bytes_written.append({"step": step, "kind": kind, "embedding_bytes": total,
                                    "total_bytes": sum(f.stat().st_size for f in path.glob("*.pt"))})
         self._say(f"saved {kind} checkpoint {path} ({total:,} bytes of embeddings)")
@@ -491,7 +515,7 @@ class Checkpointer:
         _load_dense_state(trainer, load_tensors(path / "dense.pt"), manifest["dense_optimizer"])
         trainer.step = int(manifest["step"])
         trainer.ancestor_runs = list(manifest.get("runs", [None]))  # (None: records written before runs had ids)
-        self.resumed_from = path
+        self.resumed_from = self.last_complete = path
         same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
         parts = _chain_parts(path, manifest) if same_root else []
         self.chain = [directory.name for _, directory, _ in parts]  # increments continue this chain (by the
@@ -501,6 +525,19 @@ class Checkpointer:
         self._say(f"resumed from {path} ({manifest['kind']}, step {trainer.step}, epoch {manifest['epoch']}, "
                   f"batch {batch} of the epoch)")
         return Position(trainer.step, int(manifest["epoch"]), batch)
+
+
+def _remove_leftovers(path: Path, keep: set) -> None:
+    """Remove what an earlier try at this step left in its folder (all ranks have written theirs:
+    called after the barrier): the temporary of a write killed before its rename, as large as the
+    file, and rank files of another world size. They are in no manifest, and stayed as long as
+    the checkpoint was kept."""
+    for p in path.iterdir():
+        if p.name not in keep and (_LEFTOVER.fullmatch(p.name) or TEMPORARY.fullmatch(p.name)):
+            p.unlink(missing_ok=True)
+
+
+_LEFTOVER = re.compile(r"rank\d+(-\d+)?\.(pt|json)")
 
 
 def _rng_key(module: str, generator: str) -> str:

@@ -249,12 +249,14 @@ def holders(pieces: List[LocalPiece]) -> List[PieceHolder]:
     return out
 
 
-def piece_bytes(optimizer_kind: str, piece: LocalPiece, num_rows: int, row_bits: int) -> int:
-    """Bytes the payload of ``num_rows`` rows of ``piece`` takes (estimate for the full/incremental policy)."""
+def piece_bytes(optimizer_kind: str, piece: LocalPiece, num_rows: int, row_bits: int, incremental: bool = False) -> int:
+    """Bytes of the tensors that hold ``num_rows`` rows of ``piece`` (for the full/incremental
+    policy): each row's values (with its scale and bias when quantized), its optimizer state and,
+    in an increment, its id (8 bytes; with small rows a large part of an increment)."""
     cols = piece.col_end - piece.col_start
     row = (cols * 4) if row_bits == 32 else ((cols * row_bits + 7) // 8 + 8)
     state = sum(4 if layout == "row" else 4 * cols for _, layout in STATE_LAYOUT[optimizer_kind])
-    return num_rows * (row + state)
+    return num_rows * (row + state + (8 if incremental else 0))
 
 
 def save_pieces(pieces: List[LocalPiece], incremental: bool, row_bits: int, prefix: str

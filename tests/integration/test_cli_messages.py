@@ -511,12 +511,16 @@ def test_a_stop_right_after_a_checkpoints_manifest_names_that_checkpoint(tmp_pat
     root = tmp_path / "ckpt"
     (root / "step-000000005").mkdir(parents=True)
     (root / "step-000000005" / "manifest.json").write_text("{}")
-    checkpointer = types.SimpleNamespace(root=root, last_saved_step=None)
+    from neorec.train.checkpoint import Checkpointer
+
+    checkpointer = types.SimpleNamespace(root=root, last_saved_step=None, last_complete=None)
+    checkpointer.go_on_from = lambda: Checkpointer.go_on_from(checkpointer)
     trainer = types.SimpleNamespace(checkpointer=checkpointer, cfg=types.SimpleNamespace(
         checkpoint=types.SimpleNamespace(dir=str(root))))
     assert _resume_hint(trainer) == f"; its last checkpoint is of step 5: --resume {root} goes on from there"
     checkpointer.last_saved_step = 10  # saved in this run and not yet on disk as the newest: the run's own word
+    checkpointer.last_complete = root / "step-000000010"
     assert "of step 10" in _resume_hint(trainer)
     (root / "step-000000005" / "manifest.json").unlink()
-    checkpointer.last_saved_step = None
+    checkpointer.last_saved_step = checkpointer.last_complete = None
     assert _resume_hint(trainer) == " (no checkpoint saved yet)"

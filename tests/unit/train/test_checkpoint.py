@@ -140,6 +140,52 @@ def test_full_checkpoint_when_increments_grow(tmp_path):
         assert since_full <= 0.9 * full_bytes + 4096
 
 
+@pytest.mark.parametrize("row_bits", [32, 8, 2])
+def test_the_full_or_incremental_choice_counts_every_tensor_an_increment_writes(tmp_path, monkeypatch, row_bits):
+    """The estimate left out the 8-byte id an increment writes for each row: with small rows an
+    increment was 22% (fp32) to 57% (2-bit rows) larger than estimated, so increments went on past
+    full_when_fraction_exceeds. Now the estimates are the bytes of the tensors written."""
+    import neorec.train.checkpoint as checkpoint
+    from neorec.train.checkpoint_files import load_tensors
+
+    estimates = []
+    real = checkpoint.Checkpointer._payload_bytes
+    monkeypatch.setattr(checkpoint.Checkpointer, "_payload_bytes",
+                        lambda self: estimates.append(real(self)) or estimates[-1])
+    extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10",
+             f"checkpoint.row_bits={row_bits}"]
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 1, *extra)).fit()
+
+    def payload(step):
+        files = (tmp_path / "ckpt" / f"step-{step:09d}").glob("rank*.pt")
+        return sum(t.nbytes for f in files for t in load_tensors(f).values())
+
+    assert len(estimates) == 3  # (the first checkpoint is full without asking)
+    for step, (full, incremental) in enumerate(estimates, start=2):
+        assert incremental == payload(step) and full == payload(1), (step, incremental, payload(step))
+        assert incremental < full
+
+
+def test_saving_a_step_again_removes_what_an_earlier_try_left_in_its_folder(tmp_path):
+    """A save killed before its rename left `.rank0.pt.<pid>.tmp`, as large as the rank's file, in
+    the step's folder; rewritten and complete, the folder kept it (and rank files of another world
+    size) for as long as the checkpoint was kept: a full base of an incremental chain, for long."""
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2, "checkpoint.keep_last=10")).fit()
+    step4 = tmp_path / "ckpt" / "step-000000004"
+    kept = sorted(p.name for p in step4.iterdir())
+    (step4 / "manifest.json").unlink()  # torn: the run was killed while saving step 4 ...
+    leftovers = [".rank0.pt.4194304.tmp", "rank3.pt", "rank3-1.pt", "rank3.json"]  # ... and an older world's try
+    for name in leftovers:
+        (step4 / name).write_bytes(b"x" * 1000)
+    (step4 / "notes.txt").write_text("not neorec's")
+    resumed = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2, "checkpoint.keep_last=10"),
+                           resume=str(tmp_path / "ckpt"), name="resumed")
+    resumed.fit()
+    assert "resumed from " + str(tmp_path / "ckpt" / "step-000000002") in resumed.out.getvalue()
+    assert sorted(p.name for p in step4.iterdir()) == sorted(kept + ["notes.txt"])
+    assert verify_checkpoint(step4)["step"] == 4
+
+
 def test_corrupt_checkpoints_are_detected_and_skipped(tmp_path):
     make_trainer(tmp_path, "train.max_steps=9", *checkpoint_args(tmp_path, 3)).fit()
     root = tmp_path / "ckpt"
@@ -542,7 +588,22 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(
                               f"device: {tmp_path / 'ckpt' / 'step-000000004' / 'rank0.pt'}); training stopped; its "
                               f"last complete checkpoint is of step 2: --resume {tmp_path / 'ckpt'} goes on from there")
     assert verify_checkpoint(tmp_path / "ckpt" / "step-000000002")["step"] == 2
+    # resumed from another folder, nothing saved here yet: named its checkpoint.dir, which holds none
+    from neorec.cli import _resume_hint
+
+    elsewhere = make_trainer(tmp_path, "train.max_steps=6", f"checkpoint.dir='{tmp_path / 'other'}'",
+                             "checkpoint.every_steps=4", resume=str(tmp_path / "ckpt"), name="elsewhere")
+    with pytest.raises(checkpoint.CheckpointWriteError) as error:
+        elsewhere.fit()
+    origin = tmp_path / "ckpt" / "step-000000002"
+    assert str(error.value).endswith(f"its last complete checkpoint is of step 2: --resume {origin} goes on from there")
+    assert _resume_hint(elsewhere) == f"; its last checkpoint is of step 2: --resume {origin} goes on from there"
     rc = main(["train", "--config", "configs/tiny.toml", *[f"--set={s}" for s in SMALL], "--no-progress",
                "--output-dir", str(tmp_path / "cli"), "--set", f"checkpoint.dir='{tmp_path / 'ckpt2'}'",
                "--set", "checkpoint.every_steps=2", "--set", "train.max_steps=6"])
     assert rc == 1  # a failed run, not a misused command
+    monkeypatch.setattr(checkpoint, "save_tensors", real)
+    elsewhere = make_trainer(tmp_path, "train.max_steps=6", f"checkpoint.dir='{tmp_path / 'other'}'",
+                             "checkpoint.every_steps=4", resume=str(tmp_path / "ckpt"), name="saved")
+    elsewhere.fit()  # saved step 4 here, then its final step 6: checkpoint.dir is where it goes on
+    assert _resume_hint(elsewhere) == f"; its last checkpoint is of step 6: --resume {tmp_path / 'other'} goes on from there"
