@@ -12,6 +12,7 @@ Run it through the CLI:  ``neorec train [--config configs/default.toml] [--set t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import secrets
@@ -389,7 +390,11 @@ class Trainer:
         try:
             stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
-                remaining = cfg.max_steps - self.step if cfg.max_steps else None
+                # the epoch's own number of steps, the same on every rank: no rank reads past its last
+                # batch (one whose source failed there launched a look-ahead the others did not)
+                remaining = steps_per_epoch - batch_in_epoch
+                if cfg.max_steps:
+                    remaining = min(remaining, cfg.max_steps - self.step)
                 with PrefetchLoader(self._train_batches(epoch, batch_in_epoch),
                                     depth=self.cfg.data.prefetch_batches) as loader, \
                         self._step_stream(loader, remaining) as steps:
@@ -502,12 +507,14 @@ class Trainer:
 
     def _steps(self, loader, max_steps: Optional[int] = None):
         """(batch on the device, global batch size, StepHooks or None) per step: through
-        ``TrainPipeline`` (``train.pipeline``; ``max_steps``: it loads no batch past them) or the
-        plain loop."""
+        ``TrainPipeline`` (``train.pipeline``) or the plain loop; either loads no batch past
+        ``max_steps``."""
         prefetch = self.cfg.embedding.location.prefetch
         if self.cfg.train.pipeline:
             return TrainPipeline(self.model, self.device, self.timeline,
                                  prefetch_cached_rows=prefetch).run(loader, max_steps)
+        if max_steps is not None:
+            loader = itertools.islice(loader, max_steps)
         items = with_prefetch(loader, self.model, lambda item: item[0].sparse, max_steps) if prefetch else loader
         return plain_steps(items, self.device, self.timeline)
 

@@ -136,14 +136,14 @@ def codec_training(rank: int, world: int, group, directory: str) -> Dict:
     return out
 
 
-def _small_trainer(rank: int, world: int, group, directory: str):
+def _small_trainer(rank: int, world: int, group, directory: str, overrides=()):
     """This rank's distributed Trainer of the small config, writing under ``directory/rank<r>``."""
     from neorec.train.distributed import DistributedContext
     from neorec.train.trainer import Trainer
 
     context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
                                  dist.new_group(list(range(world))))
-    return Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64), out=io.StringIO(),
+    return Trainer(small_config(os.path.join(directory, f"rank{rank}"), 32, 64, overrides), out=io.StringIO(),
                    distributed=context)
 
 
@@ -170,9 +170,10 @@ def fail_between_forward_and_backward(rank: int, world: int, group, directory: s
     return "finished"
 
 
-def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str) -> str:
+def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str, pipeline: bool = True) -> str:
     """Rank 1's third batch fails to load (an I/O error on one node: ``how`` "load") or holds an id
-    outside its table ("id"); returns what each rank raised, at which step."""
+    outside its table ("id"), or its source fails when asked for a batch past the epoch's last
+    ("end"); returns what each rank raised, at which step, or "finished" and the step."""
     from neorec.data.batch import Batch
     from neorec.sparse.jagged import KeyedJaggedTensor
     from neorec.train.trainer import Trainer
@@ -180,6 +181,11 @@ def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str) -> 
     train_batches = Trainer._train_batches
 
     def failing(self, epoch, start_batch):
+        if how == "end":  # every batch of the epoch, then a failure asked for one more
+            yield from train_batches(self, epoch, start_batch)
+            if rank == 1:
+                raise OSError("injected: rank 1 failed past the epoch's last batch")
+            return
         for count, (batch, size) in enumerate(train_batches(self, epoch, start_batch)):
             if rank == 1 and count == 2:
                 if how == "load":
@@ -192,9 +198,9 @@ def fail_on_one_rank(rank: int, world: int, group, directory: str, how: str) -> 
             yield batch, size
 
     Trainer._train_batches = failing
-    trainer = _small_trainer(rank, world, group, directory)
+    trainer = _small_trainer(rank, world, group, directory, [f"train.pipeline={str(pipeline).lower()}"])
     try:
         trainer.fit()
     except (OSError, RuntimeError, ValueError) as exc:
         return f"step {trainer.step}: {type(exc).__name__}: {exc}"
-    return "finished"
+    return f"finished at step {trainer.step}"

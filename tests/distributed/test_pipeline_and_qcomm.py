@@ -81,12 +81,24 @@ def test_a_batch_unusable_on_one_rank_stops_after_the_step_before_it_with_that_r
     rank ("collective mismatch"), hiding the error. Bad id: the rank raised at once, losing step 2.
     Now it launches an empty exchange in its place, trains step 2 as the plain loop does, and raises
     its own error."""
-    results = run_ranks(pipeline_workers.fail_on_one_rank, 2, tmp_path, args=(str(tmp_path), how), timeout=120)
+    results = run_ranks(pipeline_workers.fail_on_one_rank, 2, tmp_path, args=(str(tmp_path), how, True), timeout=120)
     if how == "load":
         assert results[1] == "step 2: OSError: injected: batch 3 could not be read on rank 1", results
     else:
         assert results[1].startswith("step 2: ValueError: feature ") and "id 1000000000 is outside" in results[1], results
     assert results[0].startswith("step 2: RuntimeError: ") and "Connection closed by peer" in results[0], results
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_source_failing_past_the_epochs_last_batch_on_one_rank_is_never_read(tmp_path, pipeline):
+    """Rank 1's source raised when asked for a batch after the epoch's last: with the pipeline it
+    launched an empty look-ahead exchange the other rank (whose source simply ended) did not, so
+    gloo aborted it (SIGABRT, "collective mismatch") and its error was never shown; the plain loop
+    stopped there too. Both loops now take the epoch's own number of batches, the same on every
+    rank, and read no further."""
+    results = run_ranks(pipeline_workers.fail_on_one_rank, 2, tmp_path, args=(str(tmp_path), "end", pipeline),
+                        timeout=120)
+    assert results[0] == results[1] and results[0].startswith("finished at step "), results
 
 
 def test_a_rank_failing_mid_step_stops_with_its_own_error(tmp_path):
