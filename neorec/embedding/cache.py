@@ -339,9 +339,10 @@ class SetAssociativeCache:
         self.completed = self.generation
         if self.transient is None:
             return
-        slots, self.transient = self.transient, None
+        slots = self.transient
         self._write_back(slots, self.slot_rows.index_select(0, slots), self.dirty.index_select(0, slots),
                          self.counts.index_select(0, slots))
+        self.transient = None  # (after the write-back: one the store refused keeps them tracked)
         self.slot_rows[slots] = -1
         self.dirty[slots] = False
         self.counts[slots] = 0

@@ -170,7 +170,7 @@ class SsdRowStore(RowStore):
         order = np.argsort(values, kind="stable")
         ordered = values[order]
         cuts = (np.flatnonzero(np.diff(ordered) != 1) + 1).tolist()
-        return order, ordered, list(zip([0] + cuts, cuts + [len(ordered)]))
+        return order, ordered, list(zip([0] + cuts, cuts + [len(ordered)])) if len(ordered) else []
 
     def _gather(self, ids: torch.Tensor, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         end = self.format.record_bytes if end is None else end
@@ -185,7 +185,7 @@ class SsdRowStore(RowStore):
         out[order] = records[:, start:end]
         self.rows_read += len(ordered)
         self.bytes_read += out.size
-        return torch.from_numpy(out)
+        return torch.from_numpy(out) if len(ordered) else torch.empty(0, end - start, dtype=torch.uint8)  # (strides)
 
     def _scatter(self, ids: torch.Tensor, records: torch.Tensor, start: int = 0) -> None:
         self._before_write()

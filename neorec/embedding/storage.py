@@ -126,7 +126,8 @@ class RowStore:
     one write must be unique. Rows and state come back as fp32 CPU tensors.
 
     Statistics: ``rows_read``, ``rows_written``, ``bytes_read``, ``bytes_written`` (record bytes
-    moved between this store and the caller).
+    moved between this store and the caller by ``read*`` / ``write*`` of ids; not the initial
+    fill, ``write_range``, which a DRAM store counted and a reopened SSD store did not).
     """
 
     kind = "memory"
@@ -368,8 +369,6 @@ class RowStore:
         target = self.records[start : start + n]
         self._encode(target, rows, state, torch.zeros(n, dtype=torch.int32) if self.format.with_counts else None,
                      stochastic=False)
-        self.rows_written += n
-        self.bytes_written += target.numel()
         self._touched(n)
 
     def fill(self, make_rows: Callable[[int, int], torch.Tensor], state_value: float = 0.0) -> None:

@@ -222,6 +222,31 @@ def test_constructor_errors():
         SetAssociativeCache(store, torch.zeros(4, DIM), {}, ways=2)
 
 
+def test_a_transient_row_the_store_refuses_stays_tracked_and_is_not_loaded_twice():
+    """A row placed outside its home set whose write-back the store refused was forgotten: its slot
+    stayed dirty but untracked, so the next lookup of that row loaded the stale store copy into its
+    home set (two resident copies, the slot's update lost)."""
+    store = DramRowStore(1000, 2, "fp16", {}, False)
+    store.write_range(0, torch.arange(2000.0).view(1000, 2) / 1000)
+    cache = SetAssociativeCache(store, torch.zeros(8, 2), {}, ways=2)
+    ids = torch.arange(1000)
+    same = ids[cache._home_sets(ids) == 0][:3]
+    cache.lookup(same)  # three rows of one 2-way set: one goes to a transient slot
+    slot = int(cache.transient[0])
+    row = int(cache.slot_rows[slot])
+    cache.weights[slot] = 1e6  # past fp16's largest value: the write-back is refused
+    other = torch.tensor([int(ids[cache._home_sets(ids) == 3][0])])
+    with pytest.raises(ValueError, match="beyond the largest fp16 value"):
+        cache.lookup(other)
+    assert cache.transient is not None and int(cache.transient[0]) == slot and bool(cache.dirty[slot])
+    cache.weights[slot] = 5.0  # repaired: the next lookup writes it back and goes on
+    found = cache.lookup(torch.tensor([row]))
+    rows, _ = cache.resident()
+    assert rows.numel() == rows.unique().numel()  # one copy of every row
+    assert cache.weights[found[0]].tolist() == [5.0, 5.0]
+    assert store.read_rows(torch.tensor([row]))[0].tolist() == [5.0, 5.0]
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_a_row_the_store_cannot_hold_is_refused_and_the_cache_stays_consistent(background):
     """fp16 rows hold at most 65504: a cached row grown past it is refused at write-back (it was

@@ -334,3 +334,31 @@ def test_int8_rows_of_subnormals_keep_their_span():
     store.write(torch.tensor([0, 1]), tiny)
     back = store.read_rows(torch.tensor([0, 1]))
     assert back[0].amax() > back[0].amin() and torch.allclose(back[1], tiny[1], atol=3 / 255)
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+def test_an_empty_id_list_reads_and_writes_nothing(tmp_path, kind):
+    """The SSD store raised IndexError on no ids (its runs of consecutive ids began with ids[0]); the
+    DRAM store returned empty results. Reachable through a cached collection's ``read_rows``."""
+    store = make_store(kind, tmp_path, "fp32", with_counts=True)
+    none = torch.tensor([], dtype=torch.long)
+    rows, state = store.read(none)
+    assert rows.shape == (0, 6) and {name: tuple(v.shape) for name, v in state.items()} == {
+        "momentum1": (0,), "momentum2": (0, 6)}
+    assert store.read_rows(none).shape == (0, 6) and store.read_counts(none).shape == (0,)
+    store.write(none, torch.zeros(0, 6), {"momentum1": torch.zeros(0), "momentum2": torch.zeros(0, 6)},
+                counts=torch.zeros(0, dtype=torch.long))
+    assert store.stats() == {"rows_read": 0, "rows_written": 0, "bytes_read": 0, "bytes_written": 0}
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+def test_the_initial_fill_is_not_counted_as_rows_moved(tmp_path, kind):
+    """A DRAM store counted its initial fill (the whole table) in rows_written / bytes_written and
+    an SSD store did not, so a run's cache record said the DRAM tables wrote a table more."""
+    store = make_store(kind, tmp_path, "fp16")
+    store.fill(lambda start, count: torch.full((count, 6), 0.5))
+    assert store.stats() == {"rows_read": 0, "rows_written": 0, "bytes_read": 0, "bytes_written": 0}
+    store.write(torch.tensor([3, 7]), torch.ones(2, 6), {"momentum1": torch.zeros(2), "momentum2": torch.zeros(2, 6)})
+    assert store.stats()["rows_written"] == 2 and store.stats()["bytes_written"] == 2 * store.format.record_bytes
+    store.close()
