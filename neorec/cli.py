@@ -215,6 +215,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"neorec train: standard output was closed (its reader went away); stopped after step "
                   f"{trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
             raise
+    trainer.close()  # its row stores flushed and unlocked
     _print_result(result)
     return 0
 
@@ -403,7 +404,9 @@ def _fit_distributed(cfg, context, plan, resume=None):
         print(f"distributed: {context.world_size} ranks ({context.backend}), local batch "
               f"{cfg.data.batch_size}, global batch {cfg.data.batch_size * context.world_size}; "
               f"tables: {summary}", flush=True)
-    return trainer.fit()
+    result = trainer.fit()
+    trainer.close()  # its row stores flushed and unlocked
+    return result
 
 
 def _train_config(args: argparse.Namespace):

@@ -161,6 +161,7 @@ class Trainer:
         self.run_id = secrets.token_hex(8)  # in every metrics record; a checkpoint lists its runs
         self.ancestor_runs: List[Optional[str]] = []  # the runs a resumed checkpoint descends from
         self.output_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
+        self.closed = False
         self.checkpointer = None
         if cfg.checkpoint.dir or self.resume.location is not None:
             from neorec.train.checkpoint import Checkpointer
@@ -319,6 +320,17 @@ class Trainer:
                 yield batch, batch.batch_size
             else:
                 yield split_batch(batch, self.distributed.rank, self.world_size), batch.batch_size
+
+    def close(self) -> None:
+        """Flush and close the row stores of cached tables (their files stay, unlocked: another run
+        or process may open them); the trainer cannot train or evaluate afterwards. Idempotent.
+        Without it a trainer kept alive held its SSD stores, and a second trainer of the same
+        config in the process was refused them. (After a failed or interrupted step nothing is
+        flushed: the stores are working storage, remade by the next run; checkpoints hold rows.)"""
+        if not self.closed:
+            self.closed = True
+            for collection in cached_collections(self.model):
+                collection.close()
 
     def fit(self) -> TrainResult:
         """Train for ``train.epochs`` epochs (or ``train.max_steps`` steps, whichever ends first),

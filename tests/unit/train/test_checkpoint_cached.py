@@ -298,3 +298,18 @@ def test_a_resume_with_nothing_left_to_train_reports_caches_without_lookups(tmp_
     assert final["cache"]["t_feature_1"]["hit_rate"] is None
     _print_result(result)
     assert "embedding cache: t_feature_1 no lookups; t_feature_2 no lookups" in capsys.readouterr().out
+
+
+def test_a_closed_trainer_leaves_its_ssd_stores_to_the_next_trainer(tmp_path):
+    """fit() flushed the stores but kept them open: a second Trainer of the same config in the
+    process was refused them ("already open in this process") and Trainer had no close()."""
+    settings = [*located(tmp_path, "cached_ssd"), "train.max_steps=3"]
+    first = make_trainer(tmp_path, *settings)
+    first.fit()
+    first.close()
+    first.close()  # idempotent
+    stores = [cache.store for cache in first.model.sparse_arch.caches.values()]
+    assert len(stores) == 2 and all(store.closed for store in stores)
+    second = make_trainer(tmp_path, *settings)  # the same ssd_dir: the stores are made again
+    assert second.fit().steps == 3
+    second.close()
