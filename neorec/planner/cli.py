@@ -42,7 +42,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=int, metavar="N", help="number of nodes (default: the preset's)")
     plan.add_argument("--batch-size", type=int, metavar="B", help="samples per rank (default: the model's)")
     plan.add_argument("--precisions", metavar="LIST",
-                      help=f"allowed, preferred first, from {list(PRECISIONS)} (default: the model's; fp32 for --tables)")
+                      help=f"allowed, preferred first, from {list(PRECISIONS)} (int8: row stores of cached tiers only; "
+                      "default: the model's; fp32 for --tables)")
     plan.add_argument("--tiers", metavar="LIST",
                       help=f"allowed, preferred first, from {list(TIERS)} (default: the model's; device for --tables)")
     plan.add_argument("--optimizer", choices=OPTIMIZERS,
@@ -261,6 +262,16 @@ def gpu_training_topology(world_size: int, ranks_per_node: int, out=None):
                                num_nodes=world_size // ranks_per_node, ranks_per_node=ranks_per_node)
 
 
+GPU_RESERVE_FRACTION = 0.15  # of a GPU's memory, kept out of --plan auto's tables (as `neorec plan` keeps)
+
+
+def plans_for_gpu(device: str) -> bool:
+    """Whether ``--plan auto`` plans for a GPU: ``train.device`` cuda, or auto with one present."""
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def training_topology(world_size: int, ranks_per_node: int, out=None, device: str = "cpu"):
     """The topology ``--plan auto`` plans for: on GPUs ``gpu_training_topology``; on the CPU the
     local-cpu calibration when it exists, else nominal CPU numbers. A calibration made for another
@@ -269,11 +280,10 @@ def training_topology(world_size: int, ranks_per_node: int, out=None, device: st
     bandwidths were measured for that number."""
     import dataclasses
 
-    import torch
 
     from neorec.planner.topology import Topology, default_calibration_path
 
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+    if plans_for_gpu(device):
         return gpu_training_topology(world_size, ranks_per_node, out)
 
     path = default_calibration_path()
@@ -335,8 +345,11 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
                                    ssd_bandwidth=topo.ssd_bandwidth or NOMINAL_SSD_BANDWIDTH)
     settings = PlanSettings(batch_size=cfg.data.batch_size, optimizer=cfg.embedding.optimizer.kind,
                             precisions=precisions, tiers=tiers, cache_fraction=location.cache_fraction,
-                            cache_rows=location.cache_rows,
-                            device_reserve_fraction=0.0)
+                            cache_rows=location.cache_rows, cache_ways=location.ways, cache_policy=location.policy,
+                            # a GPU also holds its context, the dense parameters and the activations
+                            # (the default share); a CPU topology gives tables half a rank's memory already
+                            device_reserve_fraction=(GPU_RESERVE_FRACTION if plans_for_gpu(cfg.train.device)
+                                                     else 0.0))
     try:
         result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
     except InfeasiblePlanError as exc:

@@ -27,9 +27,12 @@ of pooling factor L ids per sample, a piece of d columns stored in e bytes per e
   row) is all-reduced (hierarchical: ring inside the node, then the R NICs of a node in parallel),
   the optimizer updates the rows some rank looked up (at most G * L) and the buffer is zeroed;
   every rank keeps that gradient buffer besides the table.
-- memory: rows x (d x e + optimizer state) on the tier's backing store; a cached tier also holds
-  ``cache_fraction`` of the rows (or ``cache_rows`` per piece) in fp32 (+ state) on the device;
-  model-parallel pieces hold
+- memory: rows x (d x e + optimizer state) on the device or host tier; a cached tier's store holds
+  records as training lays them out (d x e rounded up to 4 bytes, an int8 row's 8 bytes of scale
+  and bias, the state, an LFU count), and its cache ``cache_fraction`` of the rows (or
+  ``cache_rows`` per piece; rounded up to whole sets of ``cache_ways``) in fp32 (+ state) with
+  ``CACHE_SLOT_BYTES`` of metadata per slot on the device. int8 is a store precision only (a
+  cached tier's). Model-parallel pieces hold
   double-buffered (pipelined) id and pooled-output buffers on the device.
 
 Approximations: ids are spread evenly (no hot rows per piece), unique-row savings in backward are
@@ -46,7 +49,9 @@ from typing import Iterable, Optional, Tuple
 from neorec.planner.topology import Topology
 from neorec.sharding.plan import ShardingType
 
-PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+STORE_ONLY_PRECISIONS = ("int8",)  # rows of a cached tier's store only, never of a fused module
+CACHE_SLOT_BYTES = 33  # a cache slot's metadata on the device: row, last use, count, pin (int64), dirty
 from neorec.planner.names import OPTIMIZERS, TIERS  # noqa: E402  (re-exported)
 ID_BYTES = 8          # int64 ids and lengths, as neorec's input_dist sends them
 SECTOR_BYTES = 32     # smallest HBM/DRAM access
@@ -106,7 +111,8 @@ class PlanSettings:
         communication, whose rows also carry 8 bytes of min and step).
     cache_fraction / cache_hit_rate: device cache size of a cached tier (fraction of the rows)
         and the hit rate assumed for it; cache_rows (> 0): the cache of every cached piece holds
-        that many rows instead (as ``embedding.location.cache_rows`` in training).
+        that many rows instead (as ``embedding.location.cache_rows`` in training); cache_ways and
+        cache_policy: its sets (slots are whole sets) and replacement ("lfu" stores a count per row).
     device_reserve_fraction: device memory kept for dense parameters and activations.
     max_column_pieces: the most pieces a column-wise option may have.
     """
@@ -119,6 +125,8 @@ class PlanSettings:
     comm_bytes: int = 4
     cache_fraction: float = 0.1
     cache_rows: int = 0
+    cache_ways: int = 32
+    cache_policy: str = "lru"
     cache_hit_rate: float = 0.9
     device_reserve_fraction: float = 0.15
     max_column_pieces: int = 8
@@ -142,6 +150,10 @@ class PlanSettings:
                 raise ValueError(f"plan settings: {key} must be in [0, 1], got {getattr(self, key)!r}")
         if not isinstance(self.cache_rows, int) or isinstance(self.cache_rows, bool) or self.cache_rows < 0:
             raise ValueError(f"plan settings: cache_rows must be an integer >= 0, got {self.cache_rows!r}")
+        if not isinstance(self.cache_ways, int) or isinstance(self.cache_ways, bool) or self.cache_ways < 1:
+            raise ValueError(f"plan settings: cache_ways must be a positive integer, got {self.cache_ways!r}")
+        if self.cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"plan settings: cache_policy must be 'lru' or 'lfu', got {self.cache_policy!r}")
 
 
 @dataclass
@@ -188,6 +200,23 @@ class Memory:
         self.device += scale * other.device
         self.host += scale * other.host
         self.ssd += scale * other.ssd
+
+
+def store_record_bytes(precision: str, cols: int, state: int, counts: bool) -> int:
+    """Bytes of one row's record in a cached tier's store (``neorec.embedding.storage.RowFormat``):
+    its values rounded up to 4 bytes, an int8 row's fp32 scale and bias, its state, an LFU count."""
+    values = -(-cols * PRECISION_BYTES[precision] // 4) * 4
+    return values + (8 if precision == "int8" else 0) + state + (4 if counts else 0)
+
+
+def cache_slots(rows: int, settings: "PlanSettings") -> int:
+    """Slots of the cache of a cached piece of ``rows`` rows, as training makes it
+    (``TableLocation.cache_shape``): ``cache_rows`` or the ``cache_fraction`` of the rows rounded
+    up, at least 1 and at most the rows, in whole sets of ``cache_ways``."""
+    wanted = settings.cache_rows or math.ceil(settings.cache_fraction * rows)
+    wanted = max(1, min(wanted, rows))
+    ways = min(settings.cache_ways, wanted)
+    return -(-wanted // ways) * ways
 
 
 def state_bytes_per_row(optimizer: str, dim: int) -> int:
@@ -297,8 +326,10 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
         cost.gradient_comm = cost.output_comm
     memory = Memory()
     stored = piece_rows * (piece_cols * elem + state)
-    cache_rows = settings.cache_rows or max(1, int(settings.cache_fraction * piece_rows))
-    cached = min(piece_rows, cache_rows) * (piece_cols * 4 + state)
+    cached = 0
+    if tier in ("cached_dram", "cached_ssd"):
+        stored = piece_rows * store_record_bytes(precision, piece_cols, state, settings.cache_policy == "lfu")
+        cached = cache_slots(piece_rows, settings) * (piece_cols * 4 + state + CACHE_SLOT_BYTES)
     if tier == "device":
         memory.device = stored
     elif tier == "dram":

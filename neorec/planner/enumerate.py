@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from neorec.planner.cost_model import Cost, Memory, PlanSettings, TableSpec, piece_cost
+from neorec.planner.cost_model import STORE_ONLY_PRECISIONS, Cost, Memory, PlanSettings, TableSpec, piece_cost
 from neorec.planner.topology import Topology
 from neorec.sharding.plan import ShardingType
 
@@ -138,6 +138,13 @@ def _why_unusable(table: TableSpec, topo: Topology, sharding_type: str) -> str:
     return "not usable"
 
 
+def _why_no_option(replicas_skipped: bool, store_only_skipped: bool) -> str:
+    reasons = (["data_parallel is offered on the device tier only"] if replicas_skipped else []) + (
+        [f"{'/'.join(STORE_ONLY_PRECISIONS)} rows are held in the row stores of cached tiers only (cached_dram, "
+         f"cached_ssd)"] if store_only_skipped else [])
+    return "; ".join(reasons) or "none"
+
+
 def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
                       capacity: Capacity | None = None) -> List[ShardOption]:
     """All options of ``table`` whose piece fits an empty rank; raises ``InfeasiblePlanError``
@@ -163,12 +170,15 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
             f"{list(settings.tiers)}, {list(settings.precisions)}")
     options: List[ShardOption] = []
     tightest: Tuple[float, str] | None = None
-    replicas_skipped = False
+    replicas_skipped = store_only_skipped = False
     for tier in tiers:
         for precision in precisions:
             for kind, pieces, placement in layouts:
                 if kind == ShardingType.DATA_PARALLEL and tier != "device":
                     replicas_skipped = True  # a whole replica in every rank's store: training refuses it
+                    continue
+                if precision in STORE_ONLY_PRECISIONS and tier not in ("cached_dram", "cached_ssd"):
+                    store_only_skipped = True  # int8 rows live in a cached tier's row store only
                     continue
                 cost, memory = piece_cost(table, kind, pieces, tier, precision, topo, settings)
                 ratio, why = capacity.shortfall(memory)
@@ -182,5 +192,5 @@ def enumerate_options(table: TableSpec, topo: Topology, settings: PlanSettings,
             f"table {table.name!r} ({table.num_rows:,} rows x {table.dim} = {total:,} parameters) fits no rank of "
             f"topology {topo.name!r} ({topo.world_size} ranks) with tiers {list(tiers)} and precisions "
             f"{list(precisions)}; tightest limit: "
-            f"{tightest[1] if tightest else 'data_parallel is offered on the device tier only' if replicas_skipped else 'none'}")
+            f"{tightest[1] if tightest else _why_no_option(replicas_skipped, store_only_skipped)}")
     return options

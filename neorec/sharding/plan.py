@@ -109,8 +109,9 @@ class Shard:
 @dataclass
 class TablePlan:
     """How one table is sharded: its type, its shards (empty for DATA_PARALLEL), an optional
-    storage precision ("fp32", "fp16", "bf16"; None = the collection's) and the storage tier the
-    planner chose (written to JSON only when it is not "device")."""
+    storage precision ("fp32", "fp16", "bf16"; on a cached tier its store's, "int8" too; None = the
+    collection's) and the storage tier the planner chose (written to JSON only when it is not
+    "device")."""
 
     sharding_type: ShardingType
     shards: List[Shard] = field(default_factory=list)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 from neorec.embedding.config import PRECISIONS, TableConfig
-from neorec.sharding.plan import Shard, ShardingPlan, ShardingType, TablePlan
+from neorec.embedding.storage import ROW_PRECISIONS
+from neorec.sharding.plan import CACHED_TIERS, Shard, ShardingPlan, ShardingType, TablePlan
 
 
 def _fail(table: str, kind: ShardingType, problem: str) -> None:
@@ -87,7 +88,11 @@ def _validate_table(table: TableConfig, entry: TablePlan, plan: ShardingPlan, wo
     name, kind = table.name, entry.sharding_type
     rows, cols = table.num_embeddings, table.embedding_dim
     if entry.precision is not None and entry.precision not in PRECISIONS:
-        _fail(name, kind, f"precision must be one of {PRECISIONS} or null, got {entry.precision!r}")
+        if entry.precision not in ROW_PRECISIONS:
+            _fail(name, kind, f"precision must be one of {ROW_PRECISIONS} or null, got {entry.precision!r}")
+        if entry.tier not in CACHED_TIERS:  # (a row store's precision: int8)
+            _fail(name, kind, f"precision {entry.precision!r} is a row store's, for a table on a cached tier "
+                              f"{CACHED_TIERS}; on {entry.tier!r} use one of {PRECISIONS}")
     for shard in entry.shards:
         if not isinstance(shard, Shard):
             _fail(name, kind, f"shards must be Shard objects, got {shard!r}")

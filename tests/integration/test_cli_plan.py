@@ -337,3 +337,48 @@ def test_plan_auto_on_gpus_plans_for_the_gpu_not_for_a_cpu(monkeypatch, gpu, pre
     assert ("no preset for" in out.getvalue()) == note
     assert training_topology(2, 2, out=out, device="auto").name == topo.name
     assert training_topology(2, 2, out=io.StringIO(), device="cpu").name.startswith("local-cpu")
+
+
+def test_plan_auto_on_a_gpu_keeps_memory_for_everything_but_the_tables(monkeypatch, tmp_path):
+    """--plan auto planned tables into all of a GPU's memory (39.8 of 40 GiB: the CUDA context,
+    dense parameters and activations then ran out of memory); `neorec plan` keeps 15%. On the CPU
+    the topology already gives tables half a rank's share, and nothing more is kept."""
+    import types
+
+    import torch
+
+    from neorec.planner import planner
+    from neorec.planner.enumerate import InfeasiblePlanError
+
+    monkeypatch.setenv("NEOREC_CALIBRATION", str(tmp_path / "none.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    memory = {"bytes": 40 * 2**30}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=memory["bytes"]))
+    seen = []
+    real = planner.plan_tables
+    monkeypatch.setattr(planner, "plan_tables", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    source = make_data_source(load_config(str(TINY), []).data)
+    for device, reserve in (("cuda", 0.15), ("auto", 0.15), ("cpu", 0.0)):
+        plan_for_training(load_config(str(TINY), [f"train.device='{device}'"]), source, 2, 2)
+        assert seen[-1].device_reserve_fraction == reserve, device
+    # what that leaves: a GPU on which the tables fit with nothing kept refuses them with 15% kept
+    from neorec.planner import cli as plan_cli
+
+    cfg = load_config(str(TINY), ["train.device='cuda'"])
+    low, high = 1, 2**30  # the least memory the tables fit in with nothing kept (bisection)
+    monkeypatch.setattr(plan_cli, "GPU_RESERVE_FRACTION", 0.0)
+    while high - low > high // 200:
+        memory["bytes"] = (low + high) // 2
+        try:
+            plan_for_training(cfg, source, 2, 2)
+            high = memory["bytes"]
+        except InfeasiblePlanError:
+            low = memory["bytes"]
+    monkeypatch.setattr(plan_cli, "GPU_RESERVE_FRACTION", 0.15)
+    memory["bytes"] = high
+    with pytest.raises(InfeasiblePlanError):
+        plan_for_training(cfg, source, 2, 2)
+    memory["bytes"] = int(high / 0.85) + 1
+    plan_for_training(cfg, source, 2, 2)

@@ -67,7 +67,38 @@ def test_memory_by_precision_optimizer_and_tier():
     assert dram.host == 1000 * (64 * 2 + 4) and dram.device == buffers
     _, cached = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "cached_dram", "fp16", topo,
                            PlanSettings(**base, cache_fraction=0.1))
-    assert cached.host == 1000 * (64 * 2 + 4) and cached.device == 100 * (64 * 4 + 4) + buffers
+    # 100 rows of cache in whole sets of 32 ways: 128 slots, each with 33 bytes of metadata
+    assert cached.host == 1000 * (64 * 2 + 4) and cached.device == 128 * (64 * 4 + 4 + 33) + buffers
+
+
+@pytest.mark.parametrize("dim, precision, policy, optimizer, fraction", [
+    (4, "fp32", "lru", "rowwise_adagrad", 0.1), (64, "fp16", "lfu", "adam", 0.1), (7, "fp16", "lru", "sgd", 0.37),
+    (5, "int8", "lfu", "rowwise_adagrad", 0.02), (16, "bf16", "lru", "adagrad", 1.0)])
+def test_cached_tier_memory_is_what_training_allocates(dim, precision, policy, optimizer, fraction):
+    """The planner counted int(fraction x rows) cache slots of rows and state alone; training makes
+    ceil(fraction x rows) rounded up to whole sets and keeps 33 bytes of metadata per slot (2.65x
+    the count for a 100k x 4 table), and its store records are padded to 4 bytes, with an int8
+    row's scale and bias and an LFU count (int8 stores could not be planned at all)."""
+    from neorec.embedding import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.cached import CachedEmbeddingBagCollection
+    from neorec.embedding.locations import TableLocation
+
+    rows = 1000
+    table = TableSpec("t", rows, dim)
+    settings = PlanSettings(batch_size=1, optimizer=optimizer, cache_fraction=fraction, cache_policy=policy,
+                            cache_ways=8)
+    _, planned = piece_cost(table, ShardingType.TABLE_WISE, 1, "cached_dram", precision, toy_topology(1, 1), settings)
+    location = TableLocation("cached_dram", cache_fraction=fraction, ways=8, policy=policy, precision=precision)
+    collection = CachedEmbeddingBagCollection([TableConfig("t", rows, dim)], SparseOptimizerConfig(optimizer),
+                                              locations={"t": location})
+    cache = collection.caches["t"]
+    slots = cache.weights.numel() * 4 + sum(v.numel() * v.element_size() for v in cache.state.values())
+    metadata = sum(t.numel() * t.element_size() for t in (cache.slot_rows, cache.last_use, cache.counts,
+                                                          cache.dirty, cache.pinned_until))
+    buffers = 2 * (1 * 8 + 1 * 8 + dim * 4)
+    assert planned.device == slots + metadata + buffers
+    assert planned.host == cache.store.records.numel()  # the store's bytes, record for record
+    collection.close()
 
 
 def test_slower_tiers_cost_more():
