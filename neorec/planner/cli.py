@@ -51,9 +51,10 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--comm-bytes", type=int, choices=(1, 2, 4),
                       help="bytes per pooled value on the wire (default: the model's; 4 for --tables)")
     plan.add_argument("--time-limit", type=float, default=10.0, metavar="S",
-                      help="seconds for the improvement search of a plan, shared by its relaxation attempts "
-                           "(default 10); the preference pass after it may take as long again, enumeration and the "
-                           "greedy start are not bounded, and --scaling plans each node count with its own limit")
+                      help="seconds for the search of a plan (bound-guided packing and improvement; default 10), "
+                           "shared by its partitions; the preference pass after it may take as long again, "
+                           "enumeration and the greedy starts are not counted, and --scaling plans each node count "
+                           "with its own limit")
     plan.add_argument("--out", metavar="FILE.json", help="write the ShardingPlan here")
     plan.add_argument("--report", metavar="FILE.json", help="write the full report (per rank, per table) here")
     plan.add_argument("--chart", metavar="FILE.png", help="write a PNG chart of per-rank load (needs matplotlib)")

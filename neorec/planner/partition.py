@@ -18,7 +18,8 @@ cost is as small as possible, under each rank's memory limits.
 3. Improvement search (local search, deterministic): take the slowest rank; try moving every
    table with a piece there to any of its options and placements, and swapping its single-piece
    tables with single-piece tables elsewhere; apply the move that lowers (slowest rank, sum of
-   squared loads) most; stop when no move helps, after ``max_rounds`` or ``time_limit`` seconds.
+   squared loads) most; stop when no move helps, after ``max_rounds`` or ``time_limit`` seconds
+   (of steps 2 and 3, counted from the end of the greedy start; ``search_seconds`` says how long).
 4. Lower bound (see ``lower_bound``), at least max(sum over tables of the cheapest total work /
    ranks, the largest cheapest indivisible piece). Memory is not in the bound.
 5. Preference pass (optional): tables move to their most preferred option (precision, then tier,
@@ -55,6 +56,7 @@ class PartitionResult:
     lower_bound: float
     rounds: int
     greedy_makespan: float
+    search_seconds: float = 0.0   # steps 2, 3 and 5: what ``time_limit`` bounds
 
     @property
     def gap(self) -> float:
@@ -212,7 +214,6 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
     ``preference``: option -> sort key (smaller = preferred, e.g. fp32 before fp16); after the
     search, tables move to their most preferred option that fits, and the search runs again
     among options at least that preferred."""
-    start = time.perf_counter()
     world = topo.world_size
     for goal in GREEDY_GOALS:
         try:
@@ -223,6 +224,7 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
                 raise
     greedy = max(state.load)
     bound = lower_bound(options, world)
+    start = time.perf_counter()  # the search's clock: the greedy start and the bound take what they take
     best_loads, best_placements = max(state.load), dict(placements)
     for step in range(bound_steps):
         target = bound * (1 + 0.01 * step)
@@ -252,7 +254,8 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
             if not moved:  # every move is to a more preferred option: this ends
                 break
     makespan = max(state.load)
-    return PartitionResult({n: placements[n] for n in options}, list(state.load), makespan, bound, rounds, greedy)
+    return PartitionResult({n: placements[n] for n in options}, list(state.load), makespan, bound, rounds, greedy,
+                           time.perf_counter() - start)
 
 
 def _prefer(state: _State, placements: Dict[str, Placement], options: Dict[str, List[ShardOption]],

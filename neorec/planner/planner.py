@@ -17,7 +17,6 @@ only one kind, latency included, and the fastest kept. When none fits, the last 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
@@ -144,27 +143,27 @@ def _levels(settings: PlanSettings) -> List[PlanSettings]:
 def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings,
                 time_limit: float = 10.0, max_rounds: int = 10_000) -> PlanResult:
     """Plan ``tables`` on ``topology``; see the module docstring. ``time_limit`` (seconds) bounds
-    the search, shared by the attempts (each gets what the earlier ones left; the preference pass
-    may take as long again); with ``time_limit=inf`` the result depends on the inputs only."""
+    the search (bound-guided packing and improvement), shared by the partitions of the plan (each
+    gets what the earlier ones left; the preference pass may take as long again); enumerating the
+    options and the greedy starts are not counted (they used to be, and left a large model's search
+    no time at all); with ``time_limit=inf`` the result depends on the inputs only."""
     if not tables:
         raise ValueError("planner: no tables to plan")
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"planner: duplicate table names {sorted({n for n in names if names.count(n) > 1})}")
     error: InfeasiblePlanError | None = None
-    deadline = time.perf_counter() + time_limit
+    budget = [time_limit]  # search seconds left, spent by each partition
     for level in _levels(settings):
         capacity = Capacity.of(topology, level)
         try:
             options: Dict[str, List[ShardOption]] = {t.name: enumerate_options(t, topology, level, capacity)
                                                       for t in tables}
-            left = max(0.0, deadline - time.perf_counter())
-            result = partition(options, topology, capacity, time_limit=left, max_rounds=max_rounds,
-                               preference=_preference(settings))
+            result = _partition(options, topology, capacity, budget, max_rounds, _preference(settings))
         except InfeasiblePlanError as exc:
             error = exc
             continue
-        result = _fewer_collectives_if_faster(result, options, topology, capacity, deadline, max_rounds,
+        result = _fewer_collectives_if_faster(result, options, topology, capacity, budget, max_rounds,
                                               _preference(settings))
         plan = ShardingPlan({t.name: table_plan(t, result.placements[t.name]) for t in tables},
                             topology.world_size, int(topology.ranks_per_node))
@@ -173,13 +172,22 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
     raise error
 
 
+def _partition(options: Dict[str, List[ShardOption]], topology: Topology, capacity: Capacity, budget: List[float],
+               max_rounds: int, preference) -> PartitionResult:
+    """``partition`` with the search seconds left in ``budget[0]``, less what it spent."""
+    result = partition(options, topology, capacity, time_limit=max(0.0, budget[0]), max_rounds=max_rounds,
+                       preference=preference)
+    budget[0] -= result.search_seconds
+    return result
+
+
 def _with_latency(result: PartitionResult, topology: Topology) -> float:
     kinds = {p.option.sharding_type for p in result.placements.values()}
     return result.makespan + collective_latencies(kinds, topology).total
 
 
 def _fewer_collectives_if_faster(result: PartitionResult, options: Dict[str, List[ShardOption]], topology: Topology,
-                                 capacity: Capacity, deadline: float, max_rounds: int, preference) -> PartitionResult:
+                                 capacity: Capacity, budget: List[float], max_rounds: int, preference) -> PartitionResult:
     """The partition balances the pieces' work; the collectives' fixed latency is paid once per step
     for all tables (three all-to-alls when any table is model-parallel, one all-reduce when any is
     replicated), so a plan mixing both pays both. When it does, partition again with replicas only
@@ -194,8 +202,7 @@ def _fewer_collectives_if_faster(result: PartitionResult, options: Dict[str, Lis
         if not all(allowed.values()):
             continue
         try:
-            other = partition(allowed, topology, capacity, time_limit=max(0.0, deadline - time.perf_counter()),
-                              max_rounds=max_rounds, preference=preference)
+            other = _partition(allowed, topology, capacity, budget, max_rounds, preference)
         except InfeasiblePlanError:
             continue
         seconds = _with_latency(other, topology)

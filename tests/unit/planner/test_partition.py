@@ -323,25 +323,40 @@ def test_tables_that_fit_alone_but_not_together_give_the_limit_in_readable_units
     assert "0.00 GiB" not in str(info.value)
 
 
-def test_relaxation_attempts_share_one_search_deadline(monkeypatch):
+def test_the_time_limit_bounds_the_search_not_enumeration_or_greedy_starts(monkeypatch):
+    """The deadline was set before the options were enumerated: enumeration and the greedy starts
+    of relaxation levels that did not fit used it up, and the plan that fit got no search at all
+    (Neo Model-A on one node: "0 search rounds" at the default 10 s). Now only search time counts,
+    shared by the plan's partitions: each gets what the earlier ones' searches left."""
     import time
 
     import neorec.planner.planner as planner
+    from neorec.planner.partition import PartitionResult
 
     limits = []
     real = planner.partition
 
-    def slow_first_attempt(*args, **kwargs):
+    def partition(*args, **kwargs):
         limits.append(kwargs["time_limit"])
-        if len(limits) == 1:   # the first level (fp32 only) takes its time and does not fit
+        if len(limits) == 1:   # the first level (fp32 only): a slow greedy start that does not fit
             time.sleep(0.3)
             raise InfeasiblePlanError("does not fit")
-        return real(*args, **kwargs)
+        result = real(*args, **kwargs)
+        return PartitionResult(result.placements, result.loads, result.makespan, result.lower_bound, result.rounds,
+                               result.greedy_makespan, search_seconds=0.4)  # as if it searched 0.4 s
 
-    monkeypatch.setattr(planner, "partition", slow_first_attempt)
+    enumerate_options = planner.enumerate_options
+    monkeypatch.setattr(planner, "enumerate_options", lambda *a: time.sleep(0.2) or enumerate_options(*a))
+    monkeypatch.setattr(planner, "partition", partition)
     plan_tables([TableSpec("a", 100, 8)], toy_topology(1, 2), PlanSettings(batch_size=8, precisions=("fp32", "fp16")),
                 time_limit=1.0)
-    assert limits[0] <= 1.0 and limits[1] <= 0.75   # what the first attempt left, not 1 s again
+    assert limits == [1.0, 1.0], limits  # 0.2 s of each enumeration and the 0.3 s greedy start: not counted
+    budget = [1.0]  # the partitions of one plan (a mixed plan is partitioned again) share the search time
+    options = {"a": enumerate_options(TableSpec("a", 100, 8), toy_topology(1, 2), PlanSettings(batch_size=8))}
+    capacity = Capacity.of(toy_topology(1, 2), PlanSettings(batch_size=8))
+    for _ in range(2):
+        planner._partition(options, toy_topology(1, 2), capacity, budget, 10, None)
+    assert limits[2:] == [1.0, pytest.approx(0.6)] and budget[0] == pytest.approx(0.2)
 
 
 def test_tight_packings_that_least_full_placement_misses_are_found_by_best_fit():
