@@ -39,12 +39,14 @@ def load_table_specs(path: str | Path) -> Tuple[List[TableSpec], DenseModel, Opt
         unknown = sorted(set(entry) - TABLE_KEYS)
         if missing or unknown:
             raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}; allowed: {sorted(TABLE_KEYS)}")
+        if not isinstance(entry["name"], str) or not entry["name"].strip():
+            raise ValueError(f"{where}: name must be a non-empty string, got {entry['name']!r}")
         lists = [k for k in ("sharding_types", "tiers", "precisions") if k in entry and not isinstance(entry[k], list)]
         if lists:
             raise ValueError(f"{where}: {lists[0]} must be a list of names, got {entry[lists[0]]!r}")
         try:
             tables.append(TableSpec(
-                str(entry["name"]), entry["num_rows"], entry["dim"], entry.get("pooling", 1.0),
+                entry["name"], entry["num_rows"], entry["dim"], entry.get("pooling", 1.0),
                 *(tuple(entry[k]) if k in entry else None for k in ("sharding_types", "tiers", "precisions"))))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from None

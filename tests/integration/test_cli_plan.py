@@ -163,6 +163,10 @@ def test_plan_file_keeps_the_tier_that_training_places(tmp_path, capsys):
      r"table #0: tiers must be a list of names, got 'device'"),
     ({"tables": [{"name": "a", "num_rows": 10, "dim": 16, "pooling": float("inf")}]},
      r"table #0: table 'a': pooling must be a finite number > 0, got inf"),
+    # a null or list name became a table called "None" or "['x']" in the plan file
+    ({"tables": [{"name": None, "num_rows": 10, "dim": 16}]}, r"table #0: name must be a non-empty string, got None"),
+    ({"tables": [{"name": ["x"], "num_rows": 10, "dim": 16}]}, r"table #0: name must be a non-empty string, got \['x'\]"),
+    ({"tables": [{"name": " ", "num_rows": 10, "dim": 16}]}, r"table #0: name must be a non-empty string, got ' '"),
 ])
 def test_plan_table_file_values_are_checked_naming_file_and_key(tmp_path, capsys, changes, message):
     spec = _spec_file(tmp_path, **changes)
