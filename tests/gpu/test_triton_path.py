@@ -68,3 +68,43 @@ def test_triton_dispatch_checks_ids_and_choices():
         TableBatchedEmbeddingBags(TABLES, SparseOptimizerConfig("sgd"), kernel="cuda")
     # "auto" keeps CPU weights on the torch path, even under the interpreter
     assert not EmbeddingBagCollection(TABLES).tbe._uses_triton()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's fp16 cast
+@pytest.mark.parametrize("precision, largest, step, span", [("fp16", 65504.0, 32.0, 2.0),
+                                                             ("bf16", 3.3895313892515355e38, 2.0**120, 0.99)])
+def test_rows_past_the_largest_value_become_inf_on_both_paths(precision, largest, step, span):
+    """With stochastic rounding the Triton kernel saturated an overflowing row to the largest
+    finite value (any overflow, 1e30 too) where the torch path stores inf: the same config gave inf
+    on the CPU and a finite row on the GPU, hiding a row that blew up. Now the rounding past the
+    largest value goes up to inf with probability (x - largest) / step, on both paths."""
+    from neorec.embedding import StorageConfig, TableConfig
+    from neorec.embedding.kernels.reference import stochastic_round
+    from neorec.sparse.jagged import KeyedJaggedTensor
+
+    rows = 512
+    kjt = KeyedJaggedTensor(["a"], torch.arange(rows), torch.ones(rows, dtype=torch.long))
+    # each row's 4 values go from `largest` to largest + (row / rows) x span steps, up or down (bf16:
+    # fp32's own largest value is about a step past bf16's)
+    target = largest + (torch.arange(rows, dtype=torch.float64) / rows * span * step).unsqueeze(1).expand(rows, 4)
+    sign = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0).unsqueeze(1)
+    results = {}
+    for kernel in ("torch", "triton"):
+        module = TableBatchedEmbeddingBags([TableConfig("a", rows, 4)], SparseOptimizerConfig("sgd", 1.0),
+                                           StorageConfig(precision, stochastic_rounding=True), kernel=kernel,
+                                           device=DEVICE if kernel == "triton" else "cpu")
+        module.set_table_weight("a", (sign * largest).expand(rows, 4).to(torch.float32))
+        grad = -(sign * (target - largest)).to(torch.float32)  # (the update is -lr * grad)
+        (module(kjt.to(module.weights.device)).values * grad.to(module.weights.device)).sum().backward()
+        results[kernel] = module.get_table_weight("a").cpu().double()
+    exact = (sign * target).to(torch.float32)
+    results["reference"] = stochastic_round(exact, getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision]),
+                                            torch.Generator().manual_seed(0)).double()
+    past = (target[:, 0] - largest) >= step  # a step or more past the largest value: always inf
+    for name, stored in results.items():
+        magnitude = stored.abs()
+        assert bool(((magnitude == largest) | magnitude.isinf()).all()), name  # one of the two neighbours
+        assert bool(magnitude[past].isinf().all()) and bool((stored.sign() == sign).all()), name
+        share = float(magnitude[~past].isinf().double().mean())  # below a step: inf (x - largest) / step of the time
+        expected = float(((target[:, 0] - largest) / step)[~past].mean())
+        assert abs(share - expected) < 0.06, (name, share, expected)

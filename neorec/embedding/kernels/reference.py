@@ -120,10 +120,12 @@ def reference_backward_update(
 def stochastic_round(values: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """fp32 ``values`` -> ``dtype`` (fp16/bf16), rounding to one of the two neighbours ``down``
     (toward zero) and ``up`` (away from zero) with P(up) = (x - down) / (up - down): unbiased.
-    Values past the largest finite number saturate to it."""
+    Past the largest finite number ``up`` is inf, one top-binade step away (fp16 2^5, bf16 2^120):
+    a value of that much more always becomes inf, as in the torch path."""
     down, up = rounding_bracket(values, dtype)
-    gap = up.float() - down.float()
-    probability_up = torch.where(gap != 0, (values - down.float()) / gap, torch.zeros_like(values))
+    top_step = 2.0**120 if dtype == torch.bfloat16 else 32.0
+    gap = torch.where(up.float().isinf(), torch.full_like(values, top_step), (up.float() - down.float()).abs())
+    probability_up = torch.where(gap != 0, (values - down.float()).abs() / gap, torch.zeros_like(values))
     probability_up = torch.nan_to_num(probability_up, nan=0.0)
     draw = torch.rand(values.shape, generator=generator).to(values.device)
     return torch.where(draw < probability_up, up, down)

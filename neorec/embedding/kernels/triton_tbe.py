@@ -97,8 +97,10 @@ def _round_for_storage(
     value, offsets, seed, STORAGE: tl.constexpr, BF16: tl.constexpr, STOCHASTIC: tl.constexpr
 ):
     """fp32 -> STORAGE dtype, to nearest; with STOCHASTIC, to ``up`` (the neighbour away from zero)
-    with probability (x - down) / (up - down), else ``down`` (toward zero): unbiased. The uniform
-    draw is Philox at (seed, offsets)."""
+    with probability (x - down) / (up - down), else ``down`` (toward zero): unbiased. Past the
+    largest finite value ``up`` is inf, one top-binade step away (fp16 2^5, bf16 2^120), as the
+    torch path's bit trick rounds (it saturated to the largest value: the CPU run gave inf). The
+    uniform draw is Philox at (seed, offsets)."""
     if BF16:
         nearest = _bf16_nearest_even(value)
     else:
@@ -110,8 +112,11 @@ def _round_for_storage(
         down = down_bits.to(STORAGE, bitcast=True)
         up = (down_bits + 1).to(STORAGE, bitcast=True)
         down_value = down.to(tl.float32)
-        gap = up.to(tl.float32) - down_value  # 0 only where the CPU interpreter flushes subnormals
-        probability_up = tl.where(gap != 0, (value - down_value) / tl.where(gap != 0, gap, 1.0), 0.0)
+        up_value = up.to(tl.float32)
+        top_step = 1.329227995784916e36 if BF16 else 32.0  # from the largest finite value to inf
+        gap = tl.where(tl.abs(up_value) == float("inf"), top_step, tl.abs(up_value - down_value))
+        # (gap is 0 only where the CPU interpreter flushes subnormals)
+        probability_up = tl.where(gap != 0, tl.abs(value - down_value) / tl.where(gap != 0, gap, 1.0), 0.0)
         draw = tl.rand(seed, offsets)
         nearest = tl.where(draw < probability_up, up, down)
     return nearest
