@@ -133,6 +133,9 @@ def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: to
         raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
                          "differentiate with respect to per-value weights; pass weights.detach()")
     value_starts = features.offset_per_key()
+    if value_starts[-1] != features.values.numel():  # (a KeyedJaggedTensor built with validate=False)
+        raise ValueError(f"KeyedJaggedTensor: its lengths sum to {value_starts[-1]} but it holds "
+                         f"{features.values.numel()} values")
     return [_prepare_group(layout, g, i, features, value_starts) for i, g in enumerate(layout.groups)]
 
 
@@ -169,14 +172,16 @@ def _prepare_group(layout: TableLayout, group: DimGroup, group_index: int, featu
                 _raise_bad_id(layout, first, values, value_starts, bad)
     rows = (values + shift).to(index_dtype)
 
-    weights = None if features.weights is None else features.weights[lo:hi].to(torch.float32)
+    # the backward uses them: copies, not views of the caller's tensors (an in-place change of the
+    # batch's weights between forward and backward changed the update; the other paths refused it)
+    weights = None if features.weights is None else features.weights[lo:hi].to(torch.float32, copy=True)
     batch_major = num_values <= BATCH_MAJOR_MAX_POOLING * num_bags
-    bag_lengths = lengths
+    bag_lengths = lengths.clone()
     source = None
     if batch_major:
         # gather ids bag by bag in (sample, feature) order
-        by_feature = lengths.view(count, batch_size)
-        key_major_starts = torch.cumsum(lengths, 0).sub_(lengths).view(count, batch_size).t()
+        by_feature = bag_lengths.view(count, batch_size)
+        key_major_starts = torch.cumsum(bag_lengths, 0).sub_(bag_lengths).view(count, batch_size).t()
         bag_lengths = by_feature.t().reshape(-1)
         batch_major_starts = torch.cumsum(bag_lengths, 0).sub_(bag_lengths)
         source = torch.repeat_interleave(key_major_starts.reshape(-1) - batch_major_starts, bag_lengths,

@@ -11,6 +11,8 @@ the tests check the wiring without a GPU:
 
 from __future__ import annotations
 
+import secrets
+
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -45,6 +47,8 @@ class TritonPath:
     def __init__(self, module: "TableBatchedEmbeddingBags") -> None:
         self.module = module
         self._layout: Optional[TableBatchedLayout] = None
+        # StorageConfig(seed=None): rounding noise from a seed drawn once, not from seed 0
+        self._drawn_seed = secrets.randbits(40)
 
     def layout(self) -> TableBatchedLayout:
         device = self.module.weights.device
@@ -101,7 +105,8 @@ class TritonPath:
         opt = m.checked_optimizer()
         m.step += 1
         step = int(m.step)
-        seed = ((int(m.storage.seed or 0) * 1_000_003) ^ step) & 0x7FFFFFFFFFFFFFFF
+        base = self._drawn_seed if m.storage.seed is None else int(m.storage.seed)
+        seed = ((base * 1_000_003) ^ step) & 0x7FFFFFFFFFFFFFFF
         triton_tbe.tbe_backward_update(
             opt.kind, m.weights, getattr(m, "momentum1", None), self.layout(), values, offsets,
             batch_size, grad_output, weights, learning_rate=opt.learning_rate, eps=opt.eps,

@@ -108,3 +108,23 @@ def test_rows_past_the_largest_value_become_inf_on_both_paths(precision, largest
         share = float(magnitude[~past].isinf().double().mean())  # below a step: inf (x - largest) / step of the time
         expected = float(((target[:, 0] - largest) / step)[~past].mean())
         assert abs(share - expected) < 0.06, (name, share, expected)
+
+
+def test_seed_none_draws_a_seed_for_the_rounding_noise():
+    """StorageConfig(seed=None) draws a non-deterministic seed (the torch path's generator does);
+    the Triton path used seed 0, so every such run had the same noise. Seeded runs still repeat."""
+    from neorec.embedding import StorageConfig, TableConfig
+    from neorec.sparse.jagged import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(["a"], torch.arange(64), torch.ones(64, dtype=torch.long)).to(DEVICE)
+
+    def trained(seed):
+        module = TableBatchedEmbeddingBags([TableConfig("a", 64, 8)], SparseOptimizerConfig("sgd", 1.0),
+                                           StorageConfig("fp16", stochastic_rounding=True, seed=seed),
+                                           kernel="triton", device=DEVICE)
+        module.set_table_weight("a", torch.ones(64, 8))
+        (module(kjt).values * 1.3 * 2**-11).sum().backward()  # 0.3 of an fp16 step: rounded either way
+        return module.get_table_weight("a").cpu()
+
+    assert torch.equal(trained(5), trained(5))
+    assert not torch.equal(trained(None), trained(None))

@@ -264,3 +264,52 @@ def test_asking_for_triton_where_it_cannot_run_says_which_part_is_missing(monkey
                         real_find_spec(name, *a))
     with pytest.raises(ValueError, match=r"but triton is not installed \(pip install 'neorec\[gpu\]'\)$"):
         module.kernel_path()
+
+
+@pytest.mark.parametrize("pooling", [1, 5])  # batch-major and key-major lookups
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_the_update_uses_the_batch_as_it_was_at_the_forward(kernel, pooling):
+    """The torch path kept views of the batch's per-id weights and lengths for its backward: the
+    caller changing them in place between forward and backward changed the update (weights x 100:
+    an update 100x too large) where the native path refused the change."""
+    from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags, TableConfig
+    from neorec.native.build import native_available
+    from neorec.sparse import KeyedJaggedTensor
+
+    if kernel == "native" and native_available() is not None:
+        pytest.skip("native kernels unavailable")
+    tables = [TableConfig("a", 50, 8, feature_names=["f", "g"])]
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.full((8,), pooling)
+    values = torch.randint(0, 50, (int(lengths.sum()),), generator=generator)
+    weights = torch.rand(values.numel(), generator=generator)
+
+    def train(mutate: bool):
+        module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd", 1.0), init_seed=1, kernel=kernel)
+        kjt = KeyedJaggedTensor(["f", "g"], values.clone(), lengths.clone(), weights=weights.clone())
+        out = module(kjt).values
+        if mutate:
+            kjt.weights.mul_(100)
+            kjt.lengths.zero_()
+        try:
+            out.sum().backward()
+        except RuntimeError as exc:  # refused outright is as good as unchanged
+            assert "modified by an inplace operation" in str(exc)
+            return None
+        return module.get_table_weight("a")
+
+    changed, reference = train(True), train(False)
+    assert changed is None or torch.equal(changed, reference)
+
+
+def test_lengths_that_do_not_sum_to_the_values_are_refused_on_the_torch_path():
+    """A KeyedJaggedTensor built with validate=False: lengths past the values failed with "aminmax():
+    cannot compute aminmax over an empty dimension", lengths short of them left values unread."""
+    from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags, TableConfig
+    from neorec.sparse import KeyedJaggedTensor
+
+    module = TableBatchedEmbeddingBags([TableConfig("a", 10, 4)], SparseOptimizerConfig("sgd", 1.0), kernel="torch")
+    for lengths, total in (([3, 3], 6), ([1, 1], 2)):
+        kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3, 4]), torch.tensor(lengths), validate=False)
+        with pytest.raises(ValueError, match=f"its lengths sum to {total} but it holds 4 values"):
+            module(kjt)
