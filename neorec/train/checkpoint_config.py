@@ -42,3 +42,10 @@ class CheckpointConfig:
         check_row_bits(self.row_bits)
         if self.keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        asked = [f"{key} = {value}" for key, value in (("checkpoint.every_steps", self.every_steps),
+                                                       ("checkpoint.incremental", str(self.incremental).lower()),
+                                                       ("checkpoint.row_bits", self.row_bits))
+                 if value not in (0, "false", 32)]
+        if not self.dir and asked:  # (a run would save nothing, without a word)
+            raise ValueError(f"{', '.join(asked)} but checkpoint.dir is empty, which turns checkpoints off: set "
+                             f"checkpoint.dir to where they go, or leave those keys at their defaults")

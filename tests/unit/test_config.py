@@ -301,3 +301,15 @@ def test_a_runs_config_json_is_a_config_file(tmp_path):
     path.write_text("{nope")
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_config(path)
+
+
+@pytest.mark.parametrize("setting, said", [("checkpoint.every_steps=10", "checkpoint.every_steps = 10"),
+                                           ("checkpoint.incremental=true", "checkpoint.incremental = true"),
+                                           ("checkpoint.row_bits=8", "checkpoint.row_bits = 8")])
+def test_checkpoint_settings_without_a_checkpoint_dir_are_refused(setting, said):
+    """They were ignored: a run asked to save every 10 steps, without checkpoint.dir, saved nothing
+    and said nothing."""
+    with pytest.raises(ValueError, match=rf"{said} but checkpoint.dir is empty, which turns checkpoints off.*"
+                                         rf"\(from --set {setting}\)"):
+        load_config(None, [setting])
+    assert load_config(None, [setting, "checkpoint.dir='ck'"]).checkpoint.dir == "ck"
