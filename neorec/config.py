@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 import shlex
 import sys
@@ -239,6 +240,10 @@ def _expected(tp: Any, where: str) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, _type_name(tp))
 
 
+# keys holding a file or folder: a leading ~ is the home folder (a folder named "~" was made)
+PATH_KEYS = frozenset({"output_dir", "dir", "ssd_dir", "train_path", "eval_path", "processed_dir", "path"})
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Check/convert one TOML value against a dataclass field type."""
     if isinstance(value, _NotToml):
@@ -285,6 +290,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise _NotAString(f"config key {where!r} must be a string, got {value!r}", where)
+        if where.rsplit(".", 1)[-1] in PATH_KEYS and value.startswith("~"):
+            value = os.path.expanduser(value)  # (no shell expands it inside --set key=~/x or TOML)
         return value
     if origin in (dict, Dict) and isinstance(value, dict):  # a table of names, checked by its section
         return {k: str(v) if isinstance(v, _NotToml) else v for k, v in value.items()}

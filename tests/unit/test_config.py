@@ -313,3 +313,15 @@ def test_checkpoint_settings_without_a_checkpoint_dir_are_refused(setting, said)
                                          rf"\(from --set {setting}\)"):
         load_config(None, [setting])
     assert load_config(None, [setting, "checkpoint.dir='ck'"]).checkpoint.dir == "ck"
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder(monkeypatch, tmp_path):
+    """No shell expands ~ inside `--set train.output_dir=~/runs` or a TOML string: a folder named
+    "~" was made in the working folder while the output named ~/runs."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["train.output_dir=~/runs", "checkpoint.dir='~/ck'", "embedding.location.ssd_dir='~/ssd'",
+                             "data.movielens.path='~/ml'", "data.criteo.train_path='~/day_0.tsv'"])
+    assert cfg.train.output_dir == str(tmp_path / "runs") and cfg.checkpoint.dir == str(tmp_path / "ck")
+    assert cfg.embedding.location.ssd_dir == str(tmp_path / "ssd") and cfg.data.movielens.path == str(tmp_path / "ml")
+    assert cfg.data.criteo.train_path == str(tmp_path / "day_0.tsv")
+    assert load_config(None, ["train.output_dir='runs/~x'"]).train.output_dir == "runs/~x"  # only a leading ~
