@@ -428,7 +428,8 @@ class Trainer:
                         window["steps"] += 1
                         bar.update(1)
                         stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
-                        if self.step % cfg.log_every_steps == 0 or stop:
+                        epoch_end = batch_in_epoch >= steps_per_epoch  # (its record before an eval at this step)
+                        if self.step % cfg.log_every_steps == 0 or stop or epoch_end:
                             self._log_train(log, bar, window, epoch)
                         if stop:
                             break

@@ -82,6 +82,10 @@ def test_window_qps_counts_training_time_only_and_epochs_end_with_a_record(tmp_p
     assert [r["steps"] for r in train] == [3, 3, 2, 1, 3, 3, 1]  # the short windows say so
     evals = [r["step"] for r in records if r["kind"] == "eval"]
     assert evals == [4, 8, 12]  # step 16 is the last: its evaluation is the final one
+    # in step order: the epoch's last train record before the evaluation at that step (step 8 is no
+    # multiple of log_every_steps: the eval record came first, then the train record of step 8)
+    assert [(r["kind"], r["step"]) for r in records][:5] == [("train", 3), ("eval", 4), ("train", 6), ("train", 8),
+                                                               ("eval", 8)]
     final = records[-1]
     assert final["kind"] == "final" and final["step"] == 16 and final["train_seconds"] == 16.0
 
