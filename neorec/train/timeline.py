@@ -16,7 +16,10 @@ Phases (seconds summed over the profiled steps, then per step and as a share of 
 - ``backward``: the whole backward: dense gradients, the gradient all-to-all, the embedding update
   fused into it, DDP's all-reduce;
 - ``optimizer``: the dense optimizer step;
-- ``other``: the rest of the step (bookkeeping, logging).
+- ``checkpoint``: the checkpoint saved after the step, if any (``checkpoint.every_steps``);
+- ``other``: the rest of the step (bookkeeping, logging). An evaluation between steps is in no
+  step (it used to be that saves and logging were not either: steps did not add up to the
+  training time, and a save's cost was nowhere in the profile).
 
 ``exposed_comm`` overlays them: time a rank sat blocked waiting for an embedding collective to
 complete (``CommStats.blocked``: the id header exchange, the waits on the id and pooled-embedding
@@ -39,7 +42,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-PHASES = ("data_loading", "input_dist", "lookup", "dense_forward", "output_dist", "backward", "optimizer", "other")
+PHASES = ("data_loading", "input_dist", "lookup", "dense_forward", "output_dist", "backward", "optimizer", "checkpoint",
+          "other")
 _SPARSE_FORWARD = ("input_dist", "lookup", "output_dist")
 
 

@@ -167,6 +167,10 @@ class Trainer:
             from neorec.train.checkpoint import Checkpointer
             self.checkpointer = Checkpointer(cfg.checkpoint, self)
 
+    def _phase(self, name: str):
+        """The timeline's phase ``name`` when profiling, else nothing."""
+        return self.timeline.phase(name) if self.timeline is not None else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def _build_progress(self, tables) -> Iterator[None]:
         """Building a model of ``BUILD_NOTICE_BYTES`` of embedding rows or more (drawing initial
@@ -417,12 +421,11 @@ class Trainer:
                         except NonFiniteLossError as exc:
                             log.write({"kind": "error", "step": self.step + 1, "epoch": epoch, "message": str(exc)})
                             raise
-                        if self.timeline is not None:
-                            self.timeline.end_step(time.perf_counter() - step_start)
                         samples += size
                         batch_in_epoch += 1
                         if self.checkpointer is not None:
-                            self.checkpointer.after_step(epoch, batch_in_epoch)
+                            with self._phase("checkpoint"):
+                                self.checkpointer.after_step(epoch, batch_in_epoch)
                         window["samples"] += size
                         window["loss"] += loss
                         window["steps"] += 1
@@ -431,6 +434,8 @@ class Trainer:
                         epoch_end = batch_in_epoch >= steps_per_epoch  # (its record before an eval at this step)
                         if self.step % cfg.log_every_steps == 0 or stop or epoch_end:
                             self._log_train(log, bar, window, epoch)
+                        if self.timeline is not None:  # (the saves and the logging in; an evaluation out)
+                            self.timeline.end_step(time.perf_counter() - step_start)
                         if stop:
                             break
                         if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0 \

@@ -177,15 +177,20 @@ def test_pipeline_yields_every_batch_once_in_order_and_hooks_are_single_use(tmp_
 
 
 def test_profile_writes_timeline(tmp_path):
-    trainer = Trainer(small_config(tmp_path, True, ["train.profile=true", "train.max_steps=6"]), out=io.StringIO())
+    """Checkpoint saves and the logging after a step were outside every step: the steps did not add
+    up to the training time and a save's cost showed nowhere. Saves are now a phase of their own."""
+    checkpoints = [f"checkpoint.dir='{tmp_path / 'ck'}'", "checkpoint.every_steps=2", "checkpoint.save_final=false"]
+    trainer = Trainer(small_config(tmp_path, True, ["train.profile=true", "train.max_steps=6", *checkpoints]),
+                      out=io.StringIO())
     trainer.fit()
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     assert timeline["steps"] == 6 and timeline["pipeline"] is True
     phases = timeline["phases"]
     assert set(phases) == {"data_loading", "input_dist", "lookup", "dense_forward", "output_dist", "backward",
-                           "optimizer", "other"}
+                           "optimizer", "checkpoint", "other"}
     assert phases["lookup"]["seconds"] > 0 and phases["backward"]["seconds"] > 0
     assert phases["optimizer"]["seconds"] > 0 and phases["dense_forward"]["seconds"] > 0
+    assert phases["checkpoint"]["seconds"] > 0 and len(trainer.checkpointer.bytes_written) == 3
     total = sum(p["seconds"] for p in phases.values())
     assert total == pytest.approx(timeline["step_ms"] * 6 / 1e3, rel=1e-6)  # the phases partition the steps
     assert "step timeline (6 steps" in trainer.out.getvalue()
