@@ -12,7 +12,6 @@ the tests check the wiring without a GPU:
 from __future__ import annotations
 
 import secrets
-
 from typing import TYPE_CHECKING, Optional
 
 import torch

@@ -281,7 +281,6 @@ def training_topology(world_size: int, ranks_per_node: int, out=None, device: st
     bandwidths were measured for that number."""
     import dataclasses
 
-
     from neorec.planner.topology import Topology, default_calibration_path
 
     if plans_for_gpu(device):
