@@ -54,7 +54,8 @@ def children(pid: int):
 
 
 def final_state(directory: Path):
-    cfg = load_config(TINY, SMALL + [f"train.output_dir='{directory / 'check'}'", "train.progress=false"])
+    restore_only = [s for s in SMALL if not s.startswith("checkpoint.")]  # (saving nothing: no checkpoint keys)
+    cfg = load_config(TINY, restore_only + [f"train.output_dir='{directory / 'check'}'", "train.progress=false"])
     trainer = Trainer(cfg, out=io.StringIO(), resume=str(directory))
     trainer.fit()  # at max_steps already: restores only
     tbe = trainer.model.sparse_arch.tbe
