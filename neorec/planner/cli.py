@@ -53,8 +53,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                       help="seconds for the search of a plan (bound-guided packing and improvement; default 10), "
                            "shared by its partitions; the preference pass after it may take as long again, "
-                           "enumeration and the greedy starts are not counted, and --scaling plans each node count "
-                           "with its own limit")
+                           "enumeration and the greedy starts are not counted, and --scaling plans each other node "
+                           "count with its own limit")
     plan.add_argument("--out", metavar="FILE.json", help="write the ShardingPlan here")
     plan.add_argument("--report", metavar="FILE.json", help="write the full report (per rank, per table) here")
     plan.add_argument("--chart", metavar="FILE.png", help="write a PNG chart of per-rank load (needs matplotlib)")
@@ -180,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"chart: {args.chart}")
     if args.scaling:  # after the files: a size the model does not fit is a row, not an error
         rows = scaling(tables, topo, settings, dense, _scaling_counts(int(topo.num_nodes)),
-                       time_limit=args.time_limit, scale_model=args.scale_model)
+                       time_limit=args.time_limit, scale_model=args.scale_model, planned=result)
         print("nodes  ranks  iteration ms (pipelined)         QPS   efficiency")
         for row in rows:
             if "error" in row:

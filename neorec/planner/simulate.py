@@ -92,13 +92,15 @@ def simulate(result: PlanResult, dense: DenseModel) -> Simulation:
 
 def scaling(tables: Sequence[TableSpec], topology: Topology, settings: PlanSettings, dense: DenseModel,
             nodes: Sequence[int] = (1, 2, 4, 8, 16), time_limit: float = 10.0,
-            scale_model: bool = False, max_rounds: int = 10_000) -> List[dict]:
+            scale_model: bool = False, max_rounds: int = 10_000, planned=None) -> List[dict]:
     """Plan and simulate the model (same local batch) on 1, 2, 4 ... nodes; efficiency =
     QPS(n) / (n x QPS(first that fits)). A node count the model does not fit gives a row with
     its ``error`` (the planner's message) and no timings. ``scale_model``: the tables' rows grow
     with the node count (n / largest n of them), so every rank holds about the same bytes at every
     size (weak scaling of model and cluster together); otherwise the same model everywhere, which
-    on few nodes may need slower tiers or lower precision."""
+    on few nodes may need slower tiers or lower precision. ``planned``: the ``PlanResult`` already
+    made for ``topology``'s node count and these tables, used for that row (planned again, under a
+    time limit, it could differ from the plan printed above the study)."""
     rows: List[dict] = []
     for n in nodes:
         topo = topology.with_nodes(n)
@@ -107,7 +109,10 @@ def scaling(tables: Sequence[TableSpec], topology: Topology, settings: PlanSetti
             factor = n / max(nodes)
             specs = [dataclasses.replace(t, num_rows=max(1, int(t.num_rows * factor))) for t in tables]
         try:
-            result = plan_tables(specs, topo, settings, time_limit=time_limit, max_rounds=max_rounds)
+            if planned is not None and n == topology.num_nodes and specs == list(tables):
+                result = planned
+            else:
+                result = plan_tables(specs, topo, settings, time_limit=time_limit, max_rounds=max_rounds)
         except InfeasiblePlanError as exc:
             rows.append({"nodes": n, "ranks": topo.world_size, "error": str(exc), "efficiency": None})
             continue
