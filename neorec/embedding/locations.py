@@ -106,12 +106,18 @@ class TableLocation:
         return self.kind in CACHED_LOCATIONS
 
     def cache_shape(self, num_rows: int) -> Tuple[int, int]:
-        """(num_slots, ways) of the cache of a table with ``num_rows`` rows: at least one slot,
-        at most the table rounded up to whole sets."""
-        wanted = self.cache_rows or math.ceil(self.cache_fraction * num_rows)
-        wanted = max(1, min(wanted, num_rows))
-        ways = min(self.ways, wanted)
-        return math.ceil(wanted / ways) * ways, ways
+        """(num_slots, ways) of the cache of a table with ``num_rows`` rows (``cache_shape``)."""
+        return cache_shape(num_rows, self.cache_rows, self.cache_fraction, self.ways)
+
+
+def cache_shape(num_rows: int, cache_rows: int, cache_fraction: float, ways: int) -> Tuple[int, int]:
+    """(num_slots, ways) of the cache of a table with ``num_rows`` rows: ``cache_rows``, else the
+    ``cache_fraction`` of the rows rounded up; at least one slot, at most the table, rounded up to
+    whole sets of ``ways`` (the planner counts a cached tier's device memory with it)."""
+    wanted = cache_rows or math.ceil(cache_fraction * num_rows)
+    wanted = max(1, min(wanted, num_rows))
+    ways = min(ways, wanted)
+    return math.ceil(wanted / ways) * ways, ways
 
 
 @dataclass

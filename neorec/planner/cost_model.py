@@ -202,21 +202,14 @@ class Memory:
         self.ssd += scale * other.ssd
 
 
-def store_record_bytes(precision: str, cols: int, state: int, counts: bool) -> int:
-    """Bytes of one row's record in a cached tier's store (``neorec.embedding.storage.RowFormat``):
-    its values rounded up to 4 bytes, an int8 row's fp32 scale and bias, its state, an LFU count."""
-    values = -(-cols * PRECISION_BYTES[precision] // 4) * 4
-    return values + (8 if precision == "int8" else 0) + state + (4 if counts else 0)
+def store_record_bytes(precision: str, cols: int, optimizer: str, counts: bool) -> int:
+    """Bytes of one row's record in a cached tier's store: the store's own layout (``RowFormat``:
+    values padded to 4 bytes, an int8 row's scale and bias, the optimizer state, an LFU count)."""
+    from neorec.embedding.optimizers import STATE_LAYOUT
+    from neorec.embedding.storage import row_format
 
-
-def cache_slots(rows: int, settings: "PlanSettings") -> int:
-    """Slots of the cache of a cached piece of ``rows`` rows, as training makes it
-    (``TableLocation.cache_shape``): ``cache_rows`` or the ``cache_fraction`` of the rows rounded
-    up, at least 1 and at most the rows, in whole sets of ``cache_ways``."""
-    wanted = settings.cache_rows or math.ceil(settings.cache_fraction * rows)
-    wanted = max(1, min(wanted, rows))
-    ways = min(settings.cache_ways, wanted)
-    return -(-wanted // ways) * ways
+    state = {name: 1 if per == "row" else cols for name, per in STATE_LAYOUT[optimizer]}
+    return row_format(cols, precision, state, counts).record_bytes
 
 
 def state_bytes_per_row(optimizer: str, dim: int) -> int:
@@ -328,8 +321,12 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
     stored = piece_rows * (piece_cols * elem + state)
     cached = 0
     if tier in ("cached_dram", "cached_ssd"):
-        stored = piece_rows * store_record_bytes(precision, piece_cols, state, settings.cache_policy == "lfu")
-        cached = cache_slots(piece_rows, settings) * (piece_cols * 4 + state + CACHE_SLOT_BYTES)
+        from neorec.embedding.locations import cache_shape
+
+        lfu = settings.cache_policy == "lfu"
+        stored = piece_rows * store_record_bytes(precision, piece_cols, settings.optimizer, lfu)
+        slots, _ = cache_shape(piece_rows, settings.cache_rows, settings.cache_fraction, settings.cache_ways)
+        cached = slots * (piece_cols * 4 + state + CACHE_SLOT_BYTES)
     if tier == "device":
         memory.device = stored
     elif tier == "dram":
