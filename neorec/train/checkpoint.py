@@ -138,14 +138,18 @@ def verify_checkpoint(path: Path) -> dict:
     return manifest
 
 
+def _newest_first(root: Path) -> List[Path]:
+    """The ``step-N`` folders under ``root``, newest first (none when ``root`` is no folder)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of, reverse=True)
+
+
 def find_latest_complete(root: Path, out=None, max_step: Optional[int] = None) -> Optional[Tuple[Path, dict]]:
     """(path, manifest) of the newest complete checkpoint under ``root`` (at most ``max_step``);
     every newer incomplete or corrupt one is reported on ``out`` and skipped. None if none."""
-    root = Path(root)
     out = out if out is not None else sys.stderr
-    candidates = sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None),
-                        key=_step_of, reverse=True) if root.is_dir() else []
-    for path in candidates:
+    for path in _newest_first(Path(root)):
         if max_step is not None and _step_of(path) > max_step:
             continue
         try:
@@ -612,12 +616,8 @@ def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> 
     location = Path(location)
     if not location.is_dir():
         return  # (the ranks say what is wrong with it)
-    if _step_of(location) is not None or (location / MANIFEST).exists():
-        candidates = [location]
-    else:
-        candidates = sorted((p for p in location.iterdir() if p.is_dir() and _step_of(p) is not None),
-                            key=_step_of, reverse=True)
-    for path in candidates:
+    named = _step_of(location) is not None or (location / MANIFEST).exists()
+    for path in [location] if named else _newest_first(location):
         try:
             manifest = _read_manifest(path)
         except ValueError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from neorec.train.checkpoint_files import check_row_bits
 
@@ -42,10 +42,10 @@ class CheckpointConfig:
         check_row_bits(self.row_bits)
         if self.keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
-        asked = [f"{key} = {value}" for key, value in (("checkpoint.every_steps", self.every_steps),
-                                                       ("checkpoint.incremental", str(self.incremental).lower()),
-                                                       ("checkpoint.row_bits", self.row_bits))
-                 if value not in (0, "false", 32)]
+        defaults = {f.name: f.default for f in fields(self)}
+        asked = [f"checkpoint.{key} = {str(getattr(self, key)).lower()}" for key in ("every_steps", "incremental",
+                                                                                      "row_bits")
+                 if getattr(self, key) != defaults[key]]
         if not self.dir and asked:  # (a run would save nothing, without a word)
             raise ValueError(f"{', '.join(asked)} but checkpoint.dir is empty, which turns checkpoints off: set "
                              f"checkpoint.dir to where they go, or leave those keys at their defaults")
