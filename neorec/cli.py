@@ -267,7 +267,7 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
     if isinstance(plan, ShardingPlan) or args.resume:
         from neorec.data import make_data_source
         from neorec.planner.names import TIERS
-        from neorec.train.checkpoint import check_resume_before_launch
+        from neorec.train.checkpoint_manifest import check_resume_before_launch
 
         source = make_data_source(cfg.data)  # (the ranks build it again: small next to their model)
         if isinstance(plan, ShardingPlan):
@@ -297,7 +297,7 @@ def check_gpus_for_ranks(device: str, nproc: int) -> None:
 def _saved_checkpoint_hint(root: str, resumed: Optional[str] = None) -> str:
     """Where a stopped multi-process run can go on from: its newest checkpoint under ``root``
     (else the ``--resume`` it started from)."""
-    from neorec.train.checkpoint import newest_saved_step
+    from neorec.train.checkpoint_manifest import newest_saved_step
 
     if not root:
         return "no checkpoints (set checkpoint.dir to be able to resume)"

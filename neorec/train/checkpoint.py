@@ -36,13 +36,10 @@ Data position: (epoch, global batches done in the epoch); the sources are determ
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -55,151 +52,11 @@ from neorec.files import TEMPORARY, write_atomic
 from neorec.train.checkpoint_files import MappedFiles, UnquantizableRowError, load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces, piece_bytes, restore_pieces,
                                             save_pieces)
+from neorec.train.checkpoint_manifest import (FORMAT, MANIFEST, ResumeChoice, _chain_parts,
+                                              _changed_optimizer_settings, _manifest_digest, _read_manifest,
+                                              _step_of, _table_shapes, check_resumable, checkpoint_name,
+                                              find_latest_complete, newest_saved_step, verify_checkpoint)
 from neorec.train.distributed import all_reduce_sums
-
-FORMAT = "neorec-checkpoint-1"
-MANIFEST = "manifest.json"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def _step_of(path: Path) -> Optional[int]:
-    name = path.name
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    return None
-
-
-MANIFEST_KEYS = ("step", "kind", "chain", "epoch", "batch_in_epoch", "global_batch_size", "world_size", "row_bits",
-                 "plan", "tables", "sparse_optimizer", "sparse_step", "pieces", "dense_optimizer", "files")
-
-
-def _manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest's content (without its own digest), in a canonical JSON form."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _read_manifest(path: Path) -> dict:
-    file = path / MANIFEST
-    if not file.is_file():
-        raise ValueError("no manifest.json (the checkpoint was not completed)")
-    try:
-        manifest = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"manifest.json is not a {FORMAT} manifest")
-    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
-        raise ValueError("manifest.json fails its sha256 checksum (corrupt)")  # (older manifests have none)
-    missing = [key for key in MANIFEST_KEYS if key not in manifest]
-    if missing or not isinstance(manifest["chain"], list) or not manifest["chain"]:
-        raise ValueError(f"manifest.json lacks {', '.join(missing) or 'a chain'} (corrupt)")
-    return manifest
-
-
-def _chain_parts(path: Path, manifest: dict) -> List[Tuple[str, Path, dict]]:
-    """(name, folder, manifest) of every checkpoint of ``path``'s chain, base first: the last is
-    ``path`` itself whatever its folder is called, the bases are found by name beside it and must
-    be the checkpoints it was saved on (the sha256 of their manifests, when it recorded them)."""
-    parts = []
-    bases = manifest.get("bases", {})
-    for name in manifest["chain"][:-1]:
-        directory = path.parent / name
-        try:
-            part = _read_manifest(directory)
-        except ValueError as exc:
-            raise ValueError(f"its base checkpoint {name}: {exc}") from None
-        if name in bases and bases[name] != part.get("manifest_sha256"):
-            raise ValueError(f"its base checkpoint {directory} is not the one it was saved on (another run's, or "
-                             f"saved again since); an incremental checkpoint needs its own bases beside it")
-        parts.append((name, directory, part))
-    parts.append((manifest["chain"][-1], path, manifest))
-    return parts
-
-
-def verify_checkpoint(path: Path) -> dict:
-    """The manifest of the checkpoint at ``path`` after checking it and every checkpoint of its
-    chain (every file present, same size, same sha256); ValueError saying what is wrong."""
-    path = Path(path)
-    manifest = _read_manifest(path)
-    for name, directory, part in _chain_parts(path, manifest):
-        for file, info in part["files"].items():
-            target = directory / file
-            if not target.is_file():
-                raise ValueError(f"{name}/{file} is missing")
-            if target.stat().st_size != info["bytes"]:
-                raise ValueError(f"{name}/{file} has {target.stat().st_size} bytes, the manifest says "
-                                 f"{info['bytes']} (truncated or torn)")
-            if sha256_file(target) != info["sha256"]:
-                raise ValueError(f"{name}/{file} fails its sha256 checksum (corrupt)")
-    return manifest
-
-
-def _newest_first(root: Path) -> List[Path]:
-    """The ``step-N`` folders under ``root``, newest first (none when ``root`` is no folder)."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of, reverse=True)
-
-
-def find_latest_complete(root: Path, out=None, max_step: Optional[int] = None) -> Optional[Tuple[Path, dict]]:
-    """(path, manifest) of the newest complete checkpoint under ``root`` (at most ``max_step``);
-    every newer incomplete or corrupt one is reported on ``out`` and skipped. None if none."""
-    out = out if out is not None else sys.stderr
-    for path in _newest_first(Path(root)):
-        if max_step is not None and _step_of(path) > max_step:
-            continue
-        try:
-            return path, verify_checkpoint(path)
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            print(f"checkpoint: {path} is incomplete or corrupt ({exc}); using the previous complete one",
-                  file=out, flush=True)
-    return None
-
-
-def newest_saved_step(root: Path) -> Optional[int]:
-    """The step of the newest checkpoint under ``root`` whose manifest was written (no checksums
-    read: cheap, for messages; ``--resume`` verifies and falls back to an older one if needed)."""
-    root = Path(root)
-    steps = [_step_of(p) for p in root.iterdir() if (p / MANIFEST).is_file()] if root.is_dir() else []
-    steps = [step for step in steps if step is not None]
-    return max(steps) if steps else None
-
-
-@dataclass
-class ResumeChoice:
-    """Where a run resumes from (``choose_resume``): ``location`` (None: it starts fresh), the
-    checkpoint already found and verified there (``found``: path, manifest), and what to say."""
-
-    location: Optional[str] = None
-    found: Optional[Tuple[Path, dict]] = None
-    said: str = ""
-
-
-def choose_resume(cfg: CheckpointConfig, resume: Optional[str]) -> ResumeChoice:
-    """``resume``, or, for a worker restarted by torchrun with ``auto_resume``, the newest complete
-    checkpoint of ``checkpoint.dir`` (where this run saved before the restart; ``resume`` only when
-    it holds none). Decided before the model is built: a run that resumes draws no initial rows."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    root = Path(cfg.dir) if cfg.dir else None
-    if not (cfg.auto_resume and restarted and root is not None):
-        return ResumeChoice(resume)
-    skipped = io.StringIO()  # newer torn or corrupt checkpoints, said by the trainer's rank 0
-    found = find_latest_complete(root, out=skipped)
-    if found is not None:
-        said = skipped.getvalue()
-        if resume is not None and Path(resume).resolve() != root.resolve():
-            said += (f"checkpoint: restarted by torchrun: resuming from {root}, where this run saved, "
-                     f"not from --resume {resume}\n")
-        return ResumeChoice(str(root), found, said)
-    if resume is None:
-        return ResumeChoice(None, None, f"checkpoint: restarted by torchrun, but {root} holds no complete "
-                                        f"checkpoint: starting fresh\n")
-    return ResumeChoice(resume)
-
 
 @dataclass
 class Position:
@@ -551,79 +408,6 @@ def _rng_key(module: str, generator: str) -> str:
 
 def _unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def _table_shapes(cfg, source) -> Dict[str, List[int]]:
-    tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
-    return {t.name: [t.num_embeddings, t.embedding_dim] for t in tables}
-
-
-def _changed_optimizer_settings(saved: dict, current: dict) -> List[str]:
-    """``key old -> new`` for each optimizer setting of the config that differs from the checkpoint's."""
-    changed = []
-    for section in ("embedding.optimizer", "dense_optimizer"):
-        old, new = saved, current
-        for part in section.split("."):
-            old, new = old.get(part, {}), new.get(part, {})
-        changed += [f"{section}.{key} {old[key]!r} -> {new[key]!r}" for key in sorted(new)
-                    if key in old and old[key] != new[key]]
-    return changed
-
-
-def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:
-    saved, current = manifest["tables"], _table_shapes(cfg, source)
-    if saved != current:
-        diff = sorted(n for n in set(saved) | set(current) if saved.get(n) != current.get(n))
-        raise ValueError(f"resume from {path}: the model's tables differ from the checkpoint's: {diff} "
-                         f"(checkpoint {[saved.get(n) for n in diff]}, model {[current.get(n) for n in diff]})")
-    if manifest["sparse_optimizer"] != cfg.embedding.optimizer.kind:
-        raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
-                         f"the config {cfg.embedding.optimizer.kind!r}")
-    saved_pooling = manifest.get("config", {}).get("model", {}).get("pooling")
-    if saved_pooling is not None and saved_pooling != cfg.model.pooling:  # same shapes, another model
-        raise ValueError(f"resume from {path}: checkpoint was trained with model.pooling = {saved_pooling!r}, the "
-                         f"config has {cfg.model.pooling!r} (set model.pooling = {saved_pooling!r})")
-    saved_dense = manifest.get("config", {}).get("dense_optimizer", {}).get("kind")
-    if saved_dense is not None and saved_dense != cfg.dense_optimizer.kind:
-        raise ValueError(f"resume from {path}: checkpoint has dense optimizer {saved_dense!r}, the config "
-                         f"{cfg.dense_optimizer.kind!r} (set dense_optimizer.kind = {saved_dense!r})")
-
-
-def check_resumable(manifest: dict, path: Path, cfg, source, world_size: int) -> int:
-    """ValueError if the checkpoint ``manifest`` (of ``path``) cannot go on as a run of ``cfg`` on
-    ``source`` with ``world_size`` ranks: other tables, optimizers or pooling, or an epoch position
-    the new global batches cannot continue. Returns the samples of its epoch that are done."""
-    _check_compatible(manifest, cfg, source, path)
-    global_batch = cfg.data.batch_size * world_size
-    epoch_samples = source.num_train_samples()
-    samples_in_epoch = manifest["batch_in_epoch"] * manifest["global_batch_size"]
-    if samples_in_epoch >= epoch_samples:  # its last batch may have been short: any batch continues
-        samples_in_epoch = -(-epoch_samples // global_batch) * global_batch  # the new batches' whole epoch
-    if samples_in_epoch % global_batch:
-        fits = [b for b in range(1, 2 * cfg.data.batch_size + 1) if samples_in_epoch % (b * world_size) == 0]
-        hint = (f"; e.g. data.batch_size={min(fits, key=lambda b: abs(b - cfg.data.batch_size))} on "
-                f"{world_size} rank(s) continues it") if fits else ""
-        raise ValueError(f"resume from {path}: {samples_in_epoch} samples of epoch {manifest['epoch']} were "
-                         f"trained with global batches of {manifest['global_batch_size']}; that is not a whole "
-                         f"number of the new global batches of {global_batch} (data.batch_size x ranks){hint}")
-    return samples_in_epoch
-
-
-def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> None:
-    """What every rank of a ``--nproc`` run would refuse alike about ``--resume location``, said
-    once by the launcher (``check_resumable`` on the checkpoint the ranks will take). Reads manifests
-    only: the ranks verify the files' checksums, and say it if a checkpoint is torn or corrupt."""
-    location = Path(location)
-    if not location.is_dir():
-        return  # (the ranks say what is wrong with it)
-    named = _step_of(location) is not None or (location / MANIFEST).exists()
-    for path in [location] if named else _newest_first(location):
-        try:
-            manifest = _read_manifest(path)
-        except ValueError:
-            continue  # torn or corrupt: the ranks report it and take an older one (or stop)
-        check_resumable(manifest, path, cfg, source, world_size)
-        return
 
 
 def _dense_state(trainer) -> Tuple[Dict[str, torch.Tensor], dict]:

@@ -134,7 +134,7 @@ class Trainer:
 
             comm_stats = CommStats()  # times the waits on collectives for the timeline
         self.comm_stats = comm_stats
-        from neorec.train.checkpoint import choose_resume
+        from neorec.train.checkpoint_manifest import choose_resume
 
         # a resumed run's tables get every row from the checkpoint: no initial rows are drawn for
         # them or written to its row stores (for an SSD store, a write of the whole table)

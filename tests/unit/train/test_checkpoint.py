@@ -335,13 +335,15 @@ def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
     """The restarted worker draws no initial rows (it decided to resume only after building the
     model, so it drew them all) and verifies the checkpoint it restores once (it did so twice)."""
     import neorec.train.checkpoint as checkpoint
+    import neorec.train.checkpoint_manifest as checkpoint_manifest
     from neorec.embedding.init_stream import TableInit
 
     make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2)).fit()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     draws, verified = [], []
     verify = checkpoint.verify_checkpoint
-    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda path: verified.append(path.name) or verify(path))
+    for module in (checkpoint, checkpoint_manifest):  # (wherever a checkpoint is verified)
+        monkeypatch.setattr(module, "verify_checkpoint", lambda path: verified.append(path.name) or verify(path))
     block = TableInit._block
     with monkeypatch.context() as patch:
         patch.setattr(TableInit, "_block", lambda init, k: draws.append((init.name, k)) or block(init, k))
