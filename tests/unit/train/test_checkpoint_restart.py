@@ -1,0 +1,86 @@
+"""Checkpoints and restarts: a worker that torchrun restarts (``checkpoint.auto_resume``) goes on
+from where its run saved, decided before its model is built (no initial rows drawn, the checkpoint
+verified once), says what it skips, and starts fresh when nothing was saved.
+
+    python -m pytest tests/unit/train/test_checkpoint_restart.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.train.test_checkpoint import assert_identical, checkpoint_args, checkpoint_names, make_trainer, snapshot
+
+
+def test_auto_resume_when_restarted_by_torchrun(tmp_path, monkeypatch):
+    """The restarted worker draws no initial rows (it decided to resume only after building the
+    model, so it drew them all) and verifies the checkpoint it restores once (it did so twice)."""
+    import neorec.train.checkpoint as checkpoint
+    import neorec.train.checkpoint_manifest as checkpoint_manifest
+    from neorec.embedding.init_stream import TableInit
+
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2)).fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    draws, verified = [], []
+    verify = checkpoint.verify_checkpoint
+    for module in (checkpoint, checkpoint_manifest):  # (wherever a checkpoint is verified)
+        monkeypatch.setattr(module, "verify_checkpoint", lambda path: verified.append(path.name) or verify(path))
+    block = TableInit._block
+    with monkeypatch.context() as patch:
+        patch.setattr(TableInit, "_block", lambda init, k: draws.append((init.name, k)) or block(init, k))
+        restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="restarted")
+    assert draws == []
+    assert restarted.fit().samples == 2 * 128 and restarted.step == 6
+    assert "resumed from" in restarted.out.getvalue() and verified == ["step-000000004"]
+    saved = checkpoint_names(tmp_path / "ckpt")
+    # not resuming (auto_resume off, or not a restart): a fresh run, refused beside the first run's checkpoints
+    off = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.auto_resume=false"),
+                       name="off")
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        off.fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    fresh = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2), name="fresh")
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        fresh.fit()
+    assert checkpoint_names(tmp_path / "ckpt") == saved and "resumed" not in fresh.out.getvalue()
+    alone = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2, "checkpoint.dir='" +
+                                                                           str(tmp_path / "other") + "'"), name="alone")
+    assert alone.fit().samples == 2 * 128 and "resumed" not in alone.out.getvalue()  # fresh, in its own directory
+
+
+def test_a_restarted_worker_says_the_checkpoints_it_skips_or_that_it_starts_fresh(tmp_path, monkeypatch):
+    """A torn newest checkpoint is reported and the one before it restored; with none complete the
+    restarted worker says so and trains as a fresh run does (drawing its initial rows)."""
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2)).fit()
+    (tmp_path / "ckpt" / "step-000000004" / "dense.pt").write_bytes(b"torn")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="restarted")
+    restarted.fit()
+    said = restarted.out.getvalue()
+    assert "step-000000004 is incomplete or corrupt" in said and "using the previous complete one" in said
+    assert f"resumed from {tmp_path / 'ckpt' / 'step-000000002'}" in said and restarted.step == 6
+    empty = [f"checkpoint.dir='{tmp_path / 'empty'}'", "checkpoint.every_steps=100"]
+    fresh = make_trainer(tmp_path, "train.max_steps=3", *empty, name="fresh")
+    fresh.fit()
+    assert f"restarted by torchrun, but {tmp_path / 'empty'} holds no complete checkpoint: starting fresh" in (
+        fresh.out.getvalue())
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    reference = make_trainer(tmp_path, "train.max_steps=3", name="reference")
+    reference.fit()
+    assert_identical(snapshot(reference), snapshot(fresh))
+
+
+def test_a_run_started_with_resume_comes_back_from_its_own_checkpoints_after_a_restart(tmp_path, monkeypatch):
+    """Restarted by torchrun, a run started with --resume went back to that checkpoint, then found
+    its own later ones in checkpoint.dir and refused them as another run's: every restart failed."""
+    make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2)).fit()
+    other = [f"checkpoint.dir='{tmp_path / 'ckpt2'}'", "checkpoint.every_steps=2"]
+    make_trainer(tmp_path, "train.max_steps=4", *other, resume=str(tmp_path / "ckpt"), name="second").fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the same command, restarted after step 4
+    restarted = make_trainer(tmp_path, "train.max_steps=6", *other, resume=str(tmp_path / "ckpt"), name="again")
+    assert restarted.fit().samples == 2 * 128 and restarted.step == 6
+    said = restarted.out.getvalue()
+    assert f"restarted by torchrun: resuming from {tmp_path / 'ckpt2'}, where this run saved, not from --resume" in said
+    reference = make_trainer(tmp_path, "train.max_steps=6", name="reference")
+    reference.fit()
+    assert_identical(snapshot(reference), snapshot(restarted))
