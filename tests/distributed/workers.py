@@ -152,7 +152,7 @@ def plan_on_rank_0(rank: int, world: int, group, fail: bool) -> str:
     (as with other calibration files on other nodes); returns the plan text, or the error."""
     from types import SimpleNamespace
 
-    from neorec.cli import _plan_on_rank_0
+    from neorec.train.cli import _plan_on_rank_0
 
     context = SimpleNamespace(is_main=rank == 0, embedding_group=group, device=torch.device("cpu"))
 

@@ -506,7 +506,7 @@ def test_a_stop_right_after_a_checkpoints_manifest_names_that_checkpoint(tmp_pat
     "no checkpoint saved yet" though a complete one was on disk (seen once as a flaky test above)."""
     import types
 
-    from neorec.cli import _resume_hint
+    from neorec.train.cli import _resume_hint
 
     root = tmp_path / "ckpt"
     (root / "step-000000005").mkdir(parents=True)

@@ -239,7 +239,7 @@ def test_a_cached_collections_table_copies_are_all_in_host_memory():
 
 def test_launching_more_ranks_than_gpus_or_cuda_without_it_is_said_once_before_any_rank_starts(monkeypatch):
     """Each rank said it (an error per rank), or NCCL failed with two ranks on one GPU."""
-    from neorec.cli import check_gpus_for_ranks
+    from neorec.train.cli import check_gpus_for_ranks
     from neorec.train.distributed import no_cuda_message
 
     monkeypatch.setattr(torch.version, "cuda", None)

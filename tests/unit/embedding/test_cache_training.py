@@ -416,7 +416,7 @@ def test_a_run_reports_its_caches_and_a_run_without_them_does_not(tmp_path):
     import io
     import json
 
-    from neorec.cli import _print_result
+    from neorec.train.cli import _print_result
     from neorec.config import config_from_dict
     from neorec.train.trainer import Trainer
 

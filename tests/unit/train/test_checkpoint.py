@@ -517,7 +517,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(
                               f"last complete checkpoint is of step 2: --resume {tmp_path / 'ckpt'} goes on from there")
     assert verify_checkpoint(tmp_path / "ckpt" / "step-000000002")["step"] == 2
     # resumed from another folder, nothing saved here yet: named its checkpoint.dir, which holds none
-    from neorec.cli import _resume_hint
+    from neorec.train.cli import _resume_hint
 
     elsewhere = make_trainer(tmp_path, "train.max_steps=6", f"checkpoint.dir='{tmp_path / 'other'}'",
                              "checkpoint.every_steps=4", resume=str(tmp_path / "ckpt"), name="elsewhere")

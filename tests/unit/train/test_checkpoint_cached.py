@@ -286,7 +286,7 @@ def test_an_increment_of_a_table_no_step_trained_writes_no_rows(row_bits):
 def test_a_resume_with_nothing_left_to_train_reports_caches_without_lookups(tmp_path, capsys):
     """Only the evaluation ran, which counts no lookup: the hit rate was NaN, which the metrics log
     (strict JSON) refused, so the run failed after restoring."""
-    from neorec.cli import _print_result
+    from neorec.train.cli import _print_result
 
     settings = located(tmp_path, "cached_dram")
     make_trainer(tmp_path, *settings, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()

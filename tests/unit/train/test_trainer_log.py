@@ -212,7 +212,7 @@ def test_a_checkpoint_from_before_run_ids_keeps_the_records_without_one(tmp_path
 
 
 def test_the_summary_of_a_resumed_run_says_which_steps_it_trained(capsys):
-    from neorec.cli import _print_result
+    from neorec.train.cli import _print_result
     from neorec.train.trainer import TrainResult
 
     _print_result(TrainResult(steps=70, samples=5120, train_seconds=2.0, qps=2560.0, first_step=50))

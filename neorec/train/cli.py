@@ -1,0 +1,318 @@
+"""``neorec train``: one process, ``--nproc N`` local ranks, or a rank started by torchrun.
+
+    neorec train                                                   # default config, built-in synthetic data
+    neorec train --config configs/tiny.toml --nproc 2 --plan auto  # 2 local ranks, cost-model plan
+    torchrun --nproc-per-node 2 -m neorec train --plan plan.json   # or started by torchrun
+
+Its options are declared in ``neorec.cli.build_parser``; ``neorec.cli`` turns the errors raised
+here into one line and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+
+def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from neorec.train.distributed import launched_by_torchrun
+    from neorec.train.launch import Terminated, started_by_a_launcher
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.nproc is not None and not started_by_a_launcher():
+            raise ValueError(f"--nproc {args.nproc}, but RANK={os.environ['RANK']} and WORLD_SIZE={world} are set in "
+                             "the environment and no launcher started this process: unset RANK and WORLD_SIZE "
+                             "for --nproc to start the ranks, or drop --nproc when another launcher starts them")
+        if args.nproc is not None and args.nproc != world:
+            raise ValueError(f"--nproc {args.nproc} but the launcher started WORLD_SIZE={world} processes")
+        return _train_distributed(args)
+    if args.nproc is not None and args.nproc > 1:
+        from neorec.train.launch import launch_local
+
+        cfg, plan = _config_and_plan(args, args.nproc, args.nproc)  # said once, before N ranks start and each says it
+        _check_before_launch(cfg, plan, args)
+        try:
+            return launch_local(args.nproc, list(argv))
+        except (KeyboardInterrupt, Terminated):  # the ranks are stopped; say where to go on from; _main says why
+            print(f"neorec train: {_saved_checkpoint_hint(cfg.checkpoint.dir, args.resume)}", file=sys.stderr)
+            raise
+    if args.plan is not None:
+        raise ValueError("--plan needs several processes: --nproc 2 or more, or start with torchrun")
+    from neorec.train.trainer import Trainer
+
+    cfg = _train_config(args)
+    trainer = Trainer(cfg, resume=args.resume)
+    _print_header(cfg, trainer)
+    with _terminate_raises():
+        try:
+            result = trainer.fit()
+        except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
+            print(f"neorec train: stopped after step {trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
+            raise
+        except BrokenPipeError:  # `neorec train | tee log` and tee died: not a silent stop
+            print(f"neorec train: standard output was closed (its reader went away); stopped after step "
+                  f"{trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
+            raise
+    trainer.close()  # its row stores flushed and unlocked
+    _print_result(result)
+    return 0
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """SIGTERM / SIGHUP raise ``Terminated`` in a single-process run (as Ctrl-C raises
+    KeyboardInterrupt), so that it ends through the same report instead of dying silently."""
+    from neorec.train.launch import _raise_terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _resume_hint(trainer) -> str:
+    checkpointer = trainer.checkpointer
+    if checkpointer is None or checkpointer.root is None:
+        return " (no checkpoints: set checkpoint.dir to be able to resume)"
+    # the folder too: a stop between a checkpoint's manifest and the end of its save said "none yet";
+    # and a run resumed from elsewhere that saved nothing yet goes on from that checkpoint
+    last = checkpointer.go_on_from()
+    if last is None:
+        return " (no checkpoint saved yet)"
+    return f"; its last checkpoint is of step {last[0]}: --resume {last[1]} goes on from there"
+
+
+def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
+    """What every rank would refuse alike, said once by the launcher: missing data files, a
+    missing --resume, prefetch of cached rows (single-process only), and, with a plan file or
+    --resume, what needs the tables' sizes: rows or columns of a table no shard covers, a
+    checkpoint of other tables or optimizers, or an epoch position the new batches cannot continue."""
+    from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
+    from neorec.sharding import ShardingPlan
+
+    cfg.data.check_inputs_exist()
+    if args.resume and not Path(args.resume).exists():
+        raise ValueError(f"--resume: {args.resume} does not exist")
+    location = cfg.embedding.location
+    if location.prefetch and any(location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
+        raise ValueError(PREFETCH_SINGLE_PROCESS)
+    check_gpus_for_ranks(cfg.train.device, args.nproc)
+    if isinstance(plan, ShardingPlan) or args.resume:
+        from neorec.data import make_data_source
+        from neorec.planner.names import TIERS
+        from neorec.train.checkpoint_manifest import check_resume_before_launch
+
+        source = make_data_source(cfg.data)  # (the ranks build it again: small next to their model)
+        if isinstance(plan, ShardingPlan):
+            try:
+                plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), args.nproc, tiers=TIERS)
+            except ValueError as exc:
+                raise ValueError(f"{exc} ({args.plan})") from None
+        if args.resume:
+            check_resume_before_launch(Path(args.resume), cfg, source, args.nproc)
+
+
+def check_gpus_for_ranks(device: str, nproc: int) -> None:
+    """``--nproc N`` ranks all see the launcher's GPUs: on CUDA each needs one of its own, and a
+    device the ranks cannot have is said once here rather than by each of them."""
+    import torch
+
+    from neorec.train.distributed import no_cuda_message
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(no_cuda_message())
+    if device in ("cuda", "auto") and torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise ValueError(f"--nproc {nproc} but {torch.cuda.device_count()} CUDA device(s) visible: each rank needs a "
+                         f"GPU of its own (--nproc {torch.cuda.device_count()}, more GPUs through "
+                         "CUDA_VISIBLE_DEVICES, or train.device = 'cpu')")
+
+
+def _saved_checkpoint_hint(root: str, resumed: Optional[str] = None) -> str:
+    """Where a stopped multi-process run can go on from: its newest checkpoint under ``root``
+    (else the ``--resume`` it started from)."""
+    from neorec.train.checkpoint_manifest import newest_saved_step
+
+    if not root:
+        return "no checkpoints (set checkpoint.dir to be able to resume)"
+    step = newest_saved_step(Path(root))
+    if step is None:
+        again = f"; --resume {resumed} starts again from where it started" if resumed else ""
+        return f"no checkpoint saved yet in {root}{again}"
+    return f"its newest checkpoint is of step {step}: --resume {root} goes on from there"
+
+
+def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
+    """(config, plan) of a run of ``world`` processes, ``ranks_per_node`` on each node: the plan
+    file loaded and checked against the world and the config's table names (``--plan auto`` and no
+    plan stay as given; the ranks check the rest once they know the tables' sizes)."""
+    from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
+    from neorec.sharding import ShardingPlan
+    from neorec.sharding.validation import check_plan_nodes, check_plan_pieces, check_plan_tables
+
+    cfg = _train_config(args)
+    plan = ShardingPlan.load(args.plan) if args.plan and args.plan != "auto" else args.plan
+    if isinstance(plan, ShardingPlan):
+        try:
+            if plan.world_size != world:
+                raise ValueError(f"sharding plan: written for world_size {plan.world_size}, but the world has "
+                                 f"{world} ranks; make a plan for {world} ranks")
+            check_plan_pieces(plan, world)
+            check_plan_nodes(plan, ranks_per_node)
+            check_plan_tables(plan, cfg.data.table_names())
+            plan.check_replicas_on_device().check_precision(cfg.embedding.storage.precision)
+            replicas_off = [name for name, entry in plan.tables.items() if entry.sharding_type.value == "data_parallel"
+                            and cfg.embedding.location.known_kind(name) not in (None, "device")]
+            if replicas_off:  # (a location that depends on a table's rows: the ranks refuse it)
+                raise ValueError(f"sharding plan: data-parallel tables {replicas_off} are placed off the device by "
+                                 f"[embedding.location]; every rank would hold a whole replica in a store of its own: "
+                                 f"keep them on the device (embedding.location.tables) or shard them another way")
+            if cfg.embedding.location.prefetch and plan.tiers_off_device():
+                raise ValueError(PREFETCH_SINGLE_PROCESS)
+        except ValueError as exc:
+            raise ValueError(f"{exc} ({args.plan})") from None
+    return cfg, plan
+
+
+def _train_distributed(args: argparse.Namespace) -> int:
+    from neorec.train.distributed import DistributedContext
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, plan = _config_and_plan(args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # before joining
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if missing:  # RANK and WORLD_SIZE left in a shell: torch would only say that MASTER_ADDR is expected
+        raise ValueError(f"RANK={os.environ['RANK']} and WORLD_SIZE={world} are set in the environment but "
+                         f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: no launcher started "
+                         "this process; unset RANK and WORLD_SIZE to train in one process, or start the ranks "
+                         "with torchrun or --nproc")
+    context = DistributedContext.from_env(cfg.train.device)
+    try:
+        result = _fit_distributed(cfg, context, plan, args.resume)  # the model is gone before the groups close
+        if context.is_main:
+            _print_result(result)
+    finally:
+        context.close()
+    return 0
+
+
+def _plan_on_rank_0(context, make_plan) -> str:
+    """The plan JSON of ``make_plan()`` run on rank 0 alone, on every rank (ranks of other nodes
+    may see other calibration files: planning on each would give different plans). A planning
+    error on rank 0 is raised on every rank, so none waits for a plan that never comes."""
+    from neorec.train.distributed import broadcast_text
+
+    group, device = context.embedding_group, context.device
+    if not context.is_main:
+        text = broadcast_text(None, group, device)
+        if text.startswith("error:"):
+            raise ValueError(f"rank 0 could not plan: {text[len('error:'):]}")
+        return text
+    try:
+        text = make_plan()
+    except Exception as exc:
+        broadcast_text(f"error:{exc}", group, device)
+        raise
+    return broadcast_text(text, group, device)
+
+
+def _fit_distributed(cfg, context, plan, resume=None):
+    from neorec.train.trainer import Trainer
+
+    source = None
+    if plan == "auto":  # the cost-model planner for this world, run on rank 0 and sent to the others
+        from neorec.data import make_data_source
+        from neorec.planner.cli import plan_for_training
+        from neorec.sharding.plan import ShardingPlan
+
+        source = make_data_source(cfg.data)
+        plan = _plan_on_rank_0(context, lambda: plan_for_training(cfg, source, context.world_size,
+                                                                  context.local_world_size).to_json())
+        plan = ShardingPlan.from_json(plan)
+    trainer = Trainer(cfg, source=source, distributed=context, plan=plan, resume=resume)
+    if context.is_main:
+        _print_header(cfg, trainer)
+        kinds: dict = {}
+        for entry in trainer.plan.tables.values():
+            kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        print(f"distributed: {context.world_size} ranks ({context.backend}), local batch "
+              f"{cfg.data.batch_size}, global batch {cfg.data.batch_size * context.world_size}; "
+              f"tables: {summary}", flush=True)
+    result = trainer.fit()
+    trainer.close()  # its row stores flushed and unlocked
+    return result
+
+
+def _train_config(args: argparse.Namespace):
+    from neorec.config import load_config, toml_string
+
+    extra: List[str] = []
+    if args.max_steps is not None:
+        if args.max_steps < 0:  # said as the option, not as the --set it becomes
+            raise ValueError(f"--max-steps must be >= 0 (0 = no limit), got {args.max_steps}")
+        extra.append(f"train.max_steps={args.max_steps}")
+    if args.output_dir is not None:
+        extra.append(f"train.output_dir={toml_string(args.output_dir)}")
+    if args.no_progress:
+        extra.append("train.progress=false")
+    if args.no_pipeline:
+        extra.append("train.pipeline=false")
+    if args.profile:
+        extra.append("train.profile=true")
+    return load_config(args.config, list(args.overrides) + extra, check_data=True)
+
+
+def _print_header(cfg, trainer) -> None:
+    num_params = sum(t.num_embeddings * t.embedding_dim for t in trainer.source.tables(
+        cfg.model.embedding_dim, cfg.model.pooling))
+    print(f"neorec train: data={cfg.data.source} ({trainer.source.num_train_samples():,} train samples), "
+          f"{len(trainer.source.feature_names)} sparse features, {num_params:,} embedding parameters, "
+          f"optimizer={cfg.embedding.optimizer.kind}, precision={cfg.embedding.storage.precision}, "
+          f"device={trainer.device}, embedding kernel={_kernel_summary(trainer.model)}", flush=True)
+    if trainer.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        warnings.warn("TRITON_INTERPRET is set: the Triton kernels run in triton's CPU interpreter, very slowly "
+                      "(it is for tests without a GPU); unset it for GPU training")
+
+
+def _kernel_summary(model) -> str:
+    """What runs the embedding lookups of ``model`` (its fused modules' paths, and why "auto" fell
+    back to torch ops where it did)."""
+    from neorec.embedding.kernel_choice import kernel_summary
+    from neorec.embedding.tbe import TableBatchedEmbeddingBags
+
+    paths = list(dict.fromkeys(kernel_summary(m) for m in model.modules() if isinstance(m, TableBatchedEmbeddingBags)))
+    return ", ".join(paths) if paths else "none on this rank"
+
+
+def _print_result(result) -> None:
+    m = result.final_eval
+    if not m:
+        print("final eval: none (the eval set is empty)")
+    else:
+        print(f"final eval: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  "
+              f"log loss {m['log_loss']:.4f}  ({int(m['num_samples']):,} samples)")
+    resumed = f" ({result.steps - result.first_step:,} after resuming at step {result.first_step:,})" \
+        if result.first_step else ""
+    print(f"training: {result.steps:,} steps{resumed}, {result.samples:,} samples in {result.train_seconds:.1f} s, "
+          f"QPS {result.qps:,.0f} samples/s")
+    if result.cache:
+        print("embedding cache: " + "; ".join(
+            f"{name} hit rate {c['hit_rate']:.1%} of {c['lookups']:,} lookups, {c['evictions']:,} evictions, "
+            f"{c['write_backs']:,} write-backs" if c["lookups"] else f"{name} no lookups"
+            for name, c in result.cache.items()))
+    if result.metrics_path:
+        print(f"metrics log: {result.metrics_path}", flush=True)
