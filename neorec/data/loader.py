@@ -6,8 +6,8 @@
 
 Iterating yields the same batches in the same order as iterating ``batches`` directly. An exception
 raised while producing a batch is re-raised in the consumer (same exception object, original
-traceback kept). Leaving the loop early, ``close()`` or leaving the ``with`` block stops the thread;
-nothing hangs. ``depth=0`` iterates in the caller's thread (no background thread).
+traceback kept); iterations side by side are independent. Leaving the loop early, ``close()`` or
+leaving the ``with`` block stops the thread; nothing hangs. ``depth=0`` iterates in the caller's thread (no background thread).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, Tuple
 
 _END = object()
 _POLL_SECONDS = 0.05
@@ -35,20 +35,17 @@ class PrefetchLoader:
             raise ValueError(f"PrefetchLoader depth must be >= 0, got {depth}")
         self._batches = batches
         self.depth = int(depth)
-        self._thread: Optional[threading.Thread] = None
-        self._stop: Optional[threading.Event] = None
-        self._queue: Optional[queue.Queue] = None
+        self._running: Dict[threading.Thread, Tuple[threading.Event, queue.Queue]] = {}  # per iteration
 
     def __iter__(self) -> Iterator[Any]:
         if self.depth == 0:
             yield from self._batches
             return
-        self.close()
         stop = threading.Event()
         items: queue.Queue = queue.Queue(maxsize=self.depth)
         thread = threading.Thread(target=_produce, args=(self._batches, items, stop),
                                   name="neorec-prefetch", daemon=True)
-        self._stop, self._queue, self._thread = stop, items, thread
+        self._running[thread] = (stop, items)  # iterations side by side each have their own thread
         thread.start()
         try:
             while True:
@@ -60,25 +57,14 @@ class PrefetchLoader:
                 yield item
         finally:
             # also runs when the consumer breaks out early (the generator is closed)
-            if self._thread is thread:
-                self.close()
+            if self._running.pop(thread, None) is not None:
+                _stop_producer(thread, stop, items)
 
     def close(self) -> None:
-        """Stop the background thread and drop the batches it prepared."""
-        thread, stop, items = self._thread, self._stop, self._queue
-        self._thread = self._stop = self._queue = None
-        if thread is None:
-            return
-        stop.set()
-        if threading.current_thread() is thread:  # pragma: no cover - defensive
-            return
-        # the producer notices ``stop`` within a poll interval unless it is inside the wrapped
-        # iterable; a producer stuck there longer is left behind (it is a daemon thread)
-        deadline = time.monotonic() + _JOIN_SECONDS
-        while thread.is_alive() and time.monotonic() < deadline:
-            _drain(items)
-            thread.join(_POLL_SECONDS)
-        _drain(items)
+        """Stop the background threads of every iteration and drop the batches they prepared."""
+        while self._running:
+            thread, (stop, items) = self._running.popitem()
+            _stop_producer(thread, stop, items)
 
     def __enter__(self) -> "PrefetchLoader":
         return self
@@ -91,6 +77,19 @@ class PrefetchLoader:
             self.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def _stop_producer(thread: threading.Thread, stop: threading.Event, items: queue.Queue) -> None:
+    stop.set()
+    if threading.current_thread() is thread:  # pragma: no cover - defensive
+        return
+    # the producer notices ``stop`` within a poll interval unless it is inside the wrapped
+    # iterable; a producer stuck there longer is left behind (it is a daemon thread)
+    deadline = time.monotonic() + _JOIN_SECONDS
+    while thread.is_alive() and time.monotonic() < deadline:
+        _drain(items)
+        thread.join(_POLL_SECONDS)
+    _drain(items)
 
 
 def _produce(batches: Iterable[Any], items: queue.Queue, stop: threading.Event) -> None:

@@ -55,6 +55,9 @@ class KeyedJaggedTensor:
         batch_size: samples per key; inferred from ``lengths`` when omitted (0 when there are
             no keys: give it for a batch without sparse features).
         validate: check shapes, dtypes and lengths (one pass; on by default).
+
+    A KJT is not to be changed in place: its offsets and per-key lengths are computed once, on first
+    use (every transform and ``to`` returns a new KJT).
     """
 
     def __init__(
@@ -118,6 +121,16 @@ class KeyedJaggedTensor:
         if any(has_weights) and not all(has_weights):
             missing = [k for k, jt in features.items() if jt.weights is None]
             raise ValueError(f"KeyedJaggedTensor.from_dict: features {missing} lack weights")
+        for key, jt in features.items():  # joined, one feature's surplus ids would pass as the next one's
+            if jt.values.dim() != 1 or jt.lengths.dim() != 1:
+                raise ValueError(f"KeyedJaggedTensor.from_dict: feature {key!r} needs 1-D values and lengths, got "
+                                 f"shapes {tuple(jt.values.shape)} and {tuple(jt.lengths.shape)}")
+            if int(jt.lengths.sum()) != jt.values.numel():
+                raise ValueError(f"KeyedJaggedTensor.from_dict: feature {key!r} has lengths summing to "
+                                 f"{int(jt.lengths.sum())} but {jt.values.numel()} values")
+            if jt.weights is not None and jt.weights.shape != jt.values.shape:
+                raise ValueError(f"KeyedJaggedTensor.from_dict: feature {key!r} has {jt.weights.numel()} weights "
+                                 f"for {jt.values.numel()} values")
         values = torch.cat([features[k].values for k in keys])
         lengths = torch.cat([features[k].lengths for k in keys])
         weights = torch.cat([features[k].weights for k in keys]) if all(has_weights) else None
@@ -252,6 +265,9 @@ class KeyedJaggedTensor:
 
     def select_keys(self, keys: Iterable[str]) -> "KeyedJaggedTensor":
         """Keep only ``keys``, in the order given."""
+        if isinstance(keys, str):  # list("ab") would be the keys "a" and "b"
+            raise TypeError(f"KeyedJaggedTensor.select_keys: keys must be a sequence of names, got the string "
+                            f"{keys!r} (select_keys([{keys!r}]) keeps that one key)")
         keys = list(keys)
         missing = [k for k in keys if k not in self._keys]
         if missing:
@@ -289,6 +305,12 @@ class KeyedJaggedTensor:
         """Join the keys of several KJTs with the same batch size (keys must not repeat). Inputs
         with values must all have weights or none; an input without values (such as ``empty()``)
         joins either kind."""
+        if isinstance(kjts, KeyedJaggedTensor):
+            raise TypeError("KeyedJaggedTensor.concat takes a list of KeyedJaggedTensors, got one")
+        kjts = list(kjts)
+        others = sorted({type(k).__name__ for k in kjts if not isinstance(k, KeyedJaggedTensor)})
+        if others:
+            raise TypeError(f"KeyedJaggedTensor.concat takes a list of KeyedJaggedTensors, got {others} in it")
         if not kjts:
             raise ValueError("KeyedJaggedTensor.concat needs at least one KeyedJaggedTensor")
         sizes = [k.batch_size for k in kjts]

@@ -93,7 +93,7 @@ def test_early_exit_stops_the_thread_and_closes_the_producer():
 
     got, loader = run_with_deadline(consume_a_few)
     assert got == [1, 2, 3, 4, 5]
-    assert loader._thread is None
+    assert not loader._running
     deadline = time.monotonic() + DEADLINE
     while not state["closed"] and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -112,8 +112,23 @@ def test_close_and_context_manager_with_a_slow_consumer():
         return first, loader
 
     first, loader = run_with_deadline(consume)
-    assert first == [0, 1, 2] and loader._thread is None
+    assert first == [0, 1, 2] and not loader._running
     run_with_deadline(loader.close)  # closing twice is fine
+
+
+def test_iterations_side_by_side_are_independent():
+    """A second iteration used to stop the first one's thread: "the producer thread ended without a result"."""
+    data = [0, 1, 2, 3]
+    loader = PrefetchLoader(data, depth=1)
+    assert list(zip(loader, loader)) == list(zip(data, data))
+    first = iter(loader)
+    assert next(first) == 0
+    assert list(loader) == data  # a whole iteration in between
+    assert list(first) == data[1:]
+    first, second = iter(loader), iter(loader)
+    assert next(first) == 0 and next(second) == 0
+    loader.close()  # stops both
+    assert not loader._running
 
 
 def test_rejects_negative_depth():

@@ -123,6 +123,34 @@ def test_from_dict_refuses_a_conflicting_batch_size():
     assert KeyedJaggedTensor.from_dict({}, batch_size=5).batch_size == 5
 
 
+def test_from_dict_checks_each_feature_on_its_own():
+    """Joined, a feature's surplus ids passed as the next feature's: the totals agreed, so no error."""
+    from neorec.sparse.jagged import JaggedTensor
+
+    ids_moved = {"a": JaggedTensor(torch.tensor([10, 11, 12]), torch.tensor([1])),
+                 "b": JaggedTensor(torch.zeros(0, dtype=torch.int64), torch.tensor([2]))}
+    with pytest.raises(ValueError, match="feature 'a' has lengths summing to 1 but 3 values"):
+        KeyedJaggedTensor.from_dict(ids_moved)
+    weights_moved = {"a": JaggedTensor(torch.tensor([1, 2]), torch.tensor([1, 1]), weights=torch.tensor([0.5])),
+                     "b": JaggedTensor(torch.tensor([3, 4]), torch.tensor([1, 1]), weights=torch.tensor([.1, .2, .3]))}
+    with pytest.raises(ValueError, match="feature 'a' has 1 weights for 2 values"):
+        KeyedJaggedTensor.from_dict(weights_moved)
+    with pytest.raises(ValueError, match="feature 'a' needs 1-D values and lengths"):
+        KeyedJaggedTensor.from_dict({"a": JaggedTensor(torch.tensor([[1]]), torch.tensor([1]))})
+
+
+def test_select_keys_and_concat_refuse_what_is_not_a_list_of_keys_or_kjts():
+    kjt = KeyedJaggedTensor(["a", "b", "ab"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
+    with pytest.raises(TypeError, match="got the string 'ab'"):  # it selected the keys "a" and "b"
+        kjt.select_keys("ab")
+    assert kjt.select_keys(["ab"]).values.tolist() == [3]
+    with pytest.raises(TypeError, match="a list of KeyedJaggedTensors, got one"):
+        KeyedJaggedTensor.concat(kjt)
+    with pytest.raises(TypeError, match=r"got \['Tensor'\] in it"):
+        KeyedJaggedTensor.concat([kjt, torch.tensor([1])])
+    assert KeyedJaggedTensor.concat(iter([kjt.select_keys(["a"]), kjt.select_keys(["b"])])).keys() == ["a", "b"]
+
+
 def test_concat_empty_with_weighted():
     weighted = make_kjt(weighted=True)
     for parts in ([KeyedJaggedTensor.empty(3), weighted], [weighted, KeyedJaggedTensor.empty(3)]):
