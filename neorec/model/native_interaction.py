@@ -150,8 +150,8 @@ class _DotInteractionBlocks(torch.autograd.Function):
         batch, dim = dense.shape
         threads = threads_for(batch, MIN_SAMPLES_PER_THREAD)
         blocks = ColumnBlocks(flat, rows, flat_widths, tuple(extras), runs)
-        grads = ColumnBlocks(torch.empty_like(flat), rows, flat_widths, tuple(torch.empty(e.shape) for e in extras),
-                             runs)  # every column of the parts is one run's: all written
+        extra_grads = tuple(torch.empty(e.shape, dtype=torch.float32) for e in extras)  # fp32 whatever the default
+        grads = ColumnBlocks(torch.empty_like(flat), rows, flat_widths, extra_grads, runs)  # every column written
         grad_dense = torch.empty(batch, dim, dtype=torch.float32)
         vectors = _vector_table(blocks.parts(), runs, dim)
         if vectors is not None:

@@ -4,9 +4,9 @@
 The C sources ship with the package and are compiled on first use with the system C compiler
 (``$CC``, else ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no fast-math) into one shared
 library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
-hash of the sources, the flags, the compiler's version and this CPU's kind (``_cpu_signature``); later
-processes load the cached library with ctypes (the first build takes several seconds: ~10 s on
-this project's 2-core machine). When that folder cannot be written, the build goes to a per-user
+hash of the sources, the flags, the compiler command and its version and this CPU's kind
+(``_cpu_signature``); later processes load the cached library with ctypes (the first build takes
+several seconds: ~10 s on this project's 2-core machine). When that folder cannot be written, the build goes to a per-user
 folder under the temp directory, used only while it is this user's alone (owned by them, writable
 by no one else, not a link), else to a fresh private temporary folder: a library someone else
 could have put there is never loaded.
@@ -110,8 +110,8 @@ def cache_dir() -> Optional[Path]:
     """``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``; None without a home folder
     (no HOME and no passwd entry: containers run as an unnamed user)."""
     root = os.environ.get("NEOREC_KERNEL_CACHE")
-    if root:
-        return Path(root)
+    if root:  # absolute: dlopen searches the system's folders for a name without a slash
+        return Path(root).expanduser().absolute()
     try:
         return Path.home() / ".cache" / "neorec" / "kernels"
     except (RuntimeError, KeyError):
@@ -148,19 +148,27 @@ def _private(folder: Path) -> bool:
 
 
 def _build(compiler: str) -> Path:
-    """The cached library for this source, compiler and CPU (compiled now when missing). A compiler
-    without OpenMP support (e.g. clang without libomp) gets a single-threaded build."""
+    """The cached library for this source, compiler command and CPU (compiled now when missing). A
+    compiler without OpenMP support (e.g. clang without libomp) gets a single-threaded build, said
+    by a warning; once cached, later processes load it without trying OpenMP again."""
     compiler_words = shlex.split(compiler)
     version = subprocess.run([*compiler_words, "--version"], capture_output=True, text=True, timeout=60).stdout
-    inputs = [*(s.read_text() for s in SOURCES + HEADERS), version, _cpu_signature(), platform.machine()]
-    folder = _writable_cache()
-    errors = []
+    # the command's own words too: `gcc -fsanitize=address` prints gcc's version but builds another library
+    inputs = [*(s.read_text() for s in SOURCES + HEADERS), shlex.join(compiler_words), version, _cpu_signature(),
+              platform.machine()]
+    builds = []  # (flags, file name): with OpenMP, then without
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"] + ["-Wno-unknown-pragmas"]):
         digest = hashlib.sha256("\0".join(inputs + [" ".join(flags)]).encode()).hexdigest()[:16]
-        name = f"neorec_cpu-{digest}.so"
+        builds.append((flags, f"neorec_cpu-{digest}.so"))
+    folder = _writable_cache()
+    for index, (_, name) in enumerate(builds):
         for place in (cache_dir(), folder):  # a read-only cache may hold it
             if place is not None and (place / name).exists():
+                if index:
+                    _warn_single_threaded(place / name)
                 return place / name
+    errors = []
+    for index, (flags, name) in enumerate(builds):
         target = folder / name
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
@@ -168,11 +176,30 @@ def _build(compiler: str) -> Path:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: concurrent builders (ranks) each rename a complete file
+                if index:
+                    _warn_single_threaded(target, errors[0])
                 return target
         said = (result.stderr.strip() + "\n" + result.stdout.strip()).strip()
         errors.append(f"exit code {result.returncode}" + (f":\n{said}" if said else
                       f", without a message; the command was: {shlex.join(command)}"))
-    raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed, {errors[0]}")
+    raise NativeUnavailable(f"compiling {[s.name for s in SOURCES]} with {compiler} failed, {errors[0]}"
+                            + (f"\nwithout -fopenmp: {errors[1]}" if errors[1] != errors[0] else ""))
+
+
+def _warn_single_threaded(library: Path, why: str = "") -> None:
+    warnings.warn(f"the native kernels are built without OpenMP: they run on one thread ({library}; "
+                  f"{'-fopenmp failed, ' + ' '.join(why.split())[:300] + '; ' if why else ''}"
+                  "with a compiler that supports -fopenmp, remove that file to build them again)")
+
+
+def _load_library(path: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as error:
+        if "failed to map segment" in str(error):  # built but not mappable executable: a folder mounted noexec
+            raise OSError(f"{error} (is {path.parent} on a noexec mount? set NEOREC_KERNEL_CACHE to another "
+                          "folder)") from None
+        raise
 
 
 def load() -> ctypes.CDLL:
@@ -191,7 +218,7 @@ def load() -> ctypes.CDLL:
             compiler = find_compiler()
             if compiler is None:
                 raise NativeUnavailable("no C compiler found (set CC, or install gcc or clang)")
-            library = ctypes.CDLL(str(_build(compiler)))
+            library = _load_library(_build(compiler))
             for name, (restype, argtypes) in SIGNATURES.items():
                 function = getattr(library, name)
                 function.restype, function.argtypes = restype, argtypes

@@ -248,13 +248,77 @@ def test_a_compiler_without_openmp_gets_a_single_threaded_build(monkeypatch, tmp
         return real_run(command, **kwargs)
 
     monkeypatch.setattr(native_build.subprocess, "run", no_openmp)
-    built = native_build._build(native_build.find_compiler())
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = native_build._build(native_build.find_compiler())
     assert built.exists() and built.parent == tmp_path
     compiles = [c for c in commands if "-o" in c]
     assert len(compiles) == 2 and "-fopenmp" in compiles[0] and "-fopenmp" not in compiles[1]
+    assert any("without OpenMP: they run on one thread" in str(w.message) and "unsupported option -fopenmp"
+               in str(w.message) for w in caught)
     import ctypes
 
     assert hasattr(ctypes.CDLL(str(built)), "neorec_backward_update")
+    # a later process loads it without compiling with -fopenmp again (every rank paid ~9 s for nothing), and is told
+    commands.clear()
+    with pytest.warns(UserWarning, match="built without OpenMP: they run on one thread .*remove that file"):
+        assert native_build._build(native_build.find_compiler()) == built
+    assert not [c for c in commands if "-o" in c]
+
+
+def _fake_compiles(monkeypatch, tmp_path):
+    """Compiles that only write their output file (fast); the compiles made are listed."""
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", str(tmp_path))
+    real_run = native_build.subprocess.run
+    compiles = []
+
+    def fake(command, **kwargs):
+        if "-o" in command:
+            compiles.append(command)
+            open(command[command.index("-o") + 1], "wb").close()
+            return real_run(["true"], **kwargs)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(native_build.subprocess, "run", fake)
+    return compiles
+
+
+def test_the_cache_key_holds_the_compiler_commands_own_words(monkeypatch, tmp_path):
+    """`gcc -fsanitize=address` prints gcc's version: it shared gcc's cached library (loading an
+    ASan build then killed every later plain run)."""
+    compiles = _fake_compiles(monkeypatch, tmp_path)
+    compiler = native_build.find_compiler()
+    plain = native_build._build(compiler)
+    sanitized = native_build._build(f"{compiler} -fsanitize=address")
+    assert plain != sanitized and len(compiles) == 2
+    assert native_build._build(compiler) == plain and len(compiles) == 2  # reused
+
+
+def test_a_relative_or_home_cache_folder_is_made_absolute(monkeypatch, tmp_path):
+    """NEOREC_KERNEL_CACHE=. built ./neorec_cpu-*.so, which dlopen then looked for in the system's
+    folders ("cannot open shared object file"); ~/x made a folder named "~"."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", ".")
+    assert native_build.cache_dir() == tmp_path
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NEOREC_KERNEL_CACHE", "~/kernels")
+    assert native_build.cache_dir() == tmp_path / "home" / "kernels"
+    assert os.path.isabs(native_build.cache_dir())
+
+
+def test_a_library_that_cannot_be_mapped_names_its_folder(monkeypatch, tmp_path):
+    import ctypes
+
+    def noexec(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(ctypes, "CDLL", noexec)
+    with pytest.raises(OSError, match=f"is {tmp_path} on a noexec mount\\? set NEOREC_KERNEL_CACHE"):
+        native_build._load_library(tmp_path / "neorec_cpu-x.so")
 
 
 def test_environment_switch_turns_the_native_kernels_off(monkeypatch):

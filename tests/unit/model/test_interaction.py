@@ -142,6 +142,26 @@ def test_native_dot_reads_column_blocks_in_place_with_the_same_bits(dim, self_in
     assert all(torch.equal(a, b) for a, b in zip(mine, reference))
 
 
+@pytest.mark.parametrize("split_features", [(1,), ()], ids=["a-vector-split-gathered", "whole-vectors-by-address"])
+def test_native_dot_column_block_gradients_do_not_follow_the_default_dtype(split_features):
+    """The extra parts' gradient buffers were made in torch's default dtype: under float64 the
+    kernel's fp32 writes came back as reinterpreted bits, with no error."""
+    def gradients(default_dtype):
+        generator = torch.Generator().manual_seed(6)
+        blocks, leaves = _column_blocks(20, 4, 8, generator, split_features)
+        dense = torch.randn(20, 8, generator=generator, requires_grad=True)
+        out = DotInteraction(4, embedding_dim=8, kernel="native")(dense, blocks)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default_dtype)  # (the fp32 inputs are made): the backward allocates
+        try:
+            return torch.autograd.grad(out.sum(), (dense, *leaves))
+        finally:
+            torch.set_default_dtype(previous)
+
+    expected, got = gradients(torch.float32), gradients(torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def test_dot_takes_column_blocks_on_every_path():
     generator = torch.Generator().manual_seed(5)
     blocks, leaves = _column_blocks(7, 4, 8, generator)
