@@ -9,7 +9,7 @@ holds any, are not passed on. When a rank exits with an error the others are sto
 would otherwise wait in a collective until its timeout) and its exit code is returned (128 + N for
 a rank killed by signal N, e.g. 137 for SIGKILL, and the message names the signal). Ctrl-C,
 SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch scheduler or ``docker stop`` send)
-stop them all (each rank runs in a process group of its own, so a terminal's Ctrl-C reaches the
+stop them all (each rank runs in a session of its own, so a terminal's Ctrl-C reaches the
 launcher alone); on Linux a rank also receives SIGTERM when the launcher dies without a chance to
 clean up (SIGKILL), so no rank outlives it. For several nodes use torchrun.
 """
@@ -134,9 +134,12 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
         for rank in range(nproc):
             env = rank_environment(rank, nproc, port)
             env[LAUNCHER_ENV] = str(os.getpid())
-            # a process group of its own: a terminal's Ctrl-C (sent to its foreground group) reaches the
-            # launcher alone, which stops the ranks; they printed tracebacks or "interrupted" beside it
-            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env, process_group=0))
+            # a session of its own: a terminal's Ctrl-C (sent to its foreground group) reaches the launcher
+            # alone, which stops the ranks (they printed tracebacks or "interrupted" beside it); and with no
+            # controlling terminal a rank is never stopped for writing to it (`stty tostop`: SIGTTOU, as a
+            # background group of the terminal's session, stopped rank 0 and the run hung)
+            processes.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
+                                              start_new_session=True))
         while True:
             codes = [p.poll() for p in processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]

@@ -164,6 +164,49 @@ def test_ctrl_c_is_answered_by_the_launcher_alone():
         launcher.wait()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal with job control")
+def test_ranks_writing_to_a_terminal_with_tostop_are_not_stopped(tmp_path):
+    """`stty tostop` on the launcher's terminal: each rank was a background process group of the
+    terminal's session, rank 0's first write to it got SIGTTOU and stopped it, and the run hung."""
+    import pty
+    import select
+    import termios
+
+    (tmp_path / "print_rank.py").write_text("import os\nprint('rank', os.environ['RANK'], 'wrote', flush=True)\n")
+    code = ("import sys\nfrom neorec.train.launch import launch_local\n"
+            "sys.exit(launch_local(2, [], module='print_rank'))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    pid, fd = pty.fork()
+    if pid == 0:  # the launcher, in the foreground of a terminal that stops background writers
+        try:
+            attrs = termios.tcgetattr(0)
+            attrs[3] |= termios.TOSTOP
+            termios.tcsetattr(0, termios.TCSANOW, attrs)
+            os.execve(sys.executable, [sys.executable, "-c", code], env)
+        finally:
+            os._exit(99)
+    output, status, deadline = b"", None, time.monotonic() + 60
+    try:
+        while status is None and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    output += os.read(fd, 4096)
+                except OSError:  # the terminal closed: every process on it has ended
+                    pass
+            done, code_status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(code_status)
+    finally:
+        if status is None:
+            for child in _children(pid):
+                _kill_all([child])
+            _kill_all([pid])
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert status == 0, (status, output)
+    assert b"rank 0 wrote" in output and b"rank 1 wrote" in output, output
+
+
 WINDOW = """import os, signal, sys, time
 import torch  # its threads: a process-directed signal may be delivered to any of them
 import neorec.train.launch as launch
@@ -186,7 +229,7 @@ except KeyboardInterrupt:
 def test_ctrl_c_while_the_ranks_start_is_not_lost():
     """The launcher ignored SIGINT while it spawned the ranks (so that they would inherit the
     ignoring): a Ctrl-C in that window was lost, and the launcher and its ranks ran on. The ranks now
-    get a process group of their own instead, and the launcher's handler never changes."""
+    get a session of their own instead, and the launcher's handler never changes."""
     launcher = _start_launcher(WINDOW)
     try:
         _, err = launcher.communicate(timeout=60)
