@@ -21,6 +21,8 @@ from torch import nn
 from neorec.model.aligned_linear import AlignedLinear
 from neorec.model.dlrm import DotInteraction
 
+from bench_args import at_least  # same folder (run as a script)
+
 
 def mlp(layer, sizes):
     layers = []
@@ -31,9 +33,9 @@ def mlp(layer, sizes):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--rounds", type=at_least(1), default=40)
+    parser.add_argument("--batch", type=at_least(1), default=2048)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     features, dim = 26, 64

@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 
+from bench_args import at_least  # same folder (run as a script)
+
 WORKER = r"""
 import dataclasses, json, resource, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -29,7 +31,7 @@ name, reuse, threads, runs, steps = sys.argv[2], sys.argv[3] == "1", int(sys.arg
 config = bench_e2e.CONFIGS[name]
 cfg = bench_e2e.neorec_config(config, 1, reuse_freed_memory=reuse)
 source = make_data_source(cfg.data)
-batches = bench_e2e.make_batches(source, config, 1, 0, 8)
+batches = bench_e2e.make_batches(source, config, 1, 0, 8, torchrec=False)  # neorec alone
 runner = bench_e2e.NeorecRunner(cfg, source, 0, 1, None, batches)  # train_step over the 8 batches, cycled
 torch.set_num_threads(threads)
 runner.run(6)  # warm-up
@@ -50,10 +52,10 @@ print(json.dumps({"ms": statistics.median(wall), "faults": statistics.median(fau
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="pool1", choices=["pool1", "pool20"])
-    parser.add_argument("--pairs", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--pairs", type=at_least(1), default=4)
+    parser.add_argument("--runs", type=at_least(1), default=12)
+    parser.add_argument("--steps", type=at_least(1), default=5)
+    parser.add_argument("--threads", type=at_least(1), default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     results = {"off": [], "on": []}

@@ -37,6 +37,8 @@ from neorec.config import load_config
 from neorec.train.checkpoint import verify_checkpoint
 from neorec.train.trainer import Trainer
 
+from bench_args import at_least  # same folder (run as a script)
+
 MODES = {"full": (False, 32), "incr": (True, 32), "incr+q8": (True, 8), "incr+q4": (True, 4)}
 
 
@@ -150,14 +152,14 @@ def bytes_and_ne(args, intervals: List[int], tmp: Path, results: Dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser.add_argument("--steps", type=at_least(1), default=200, help="training steps per run")
     parser.add_argument("--intervals", default="10,25,50", help="checkpoint every N steps (comma list)")
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=16, help="embedding dim")
+    parser.add_argument("--batch-size", type=at_least(1), default=512)
+    parser.add_argument("--dim", type=at_least(1), default=16, help="embedding dim")
     parser.add_argument("--fraction", type=float, default=1.0, help="checkpoint.full_when_fraction_exceeds")
-    parser.add_argument("--after", type=int, default=100, help="steps trained after restoring (NE part)")
-    parser.add_argument("--repeats", type=int, default=7, help="alternating rounds of the tracking timing")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
+    parser.add_argument("--after", type=at_least(0), default=100, help="steps trained after restoring (NE part)")
+    parser.add_argument("--repeats", type=at_least(1), default=7, help="alternating rounds of the tracking timing")
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch intra-op threads (0 = default)")
     parser.add_argument("--quick", action="store_true", help="small run (smoke test)")
     parser.add_argument("--tracking-only", action="store_true", help="only the modified-row tracking timing")
     parser.add_argument("--out", help="write the results as JSON here")

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import itertools
 import json
 import os
@@ -80,6 +81,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench_args import at_least  # same folder (run as a script)
 
 SPARSE_LR, DENSE_LR, EPS = 0.05, 0.01, 1e-8
 NUM_DENSE = 13
@@ -122,10 +125,9 @@ def neorec_config(c: E2EConfig, world: int, reuse_freed_memory: bool = True):
     )
 
 
-def make_batches(source, c: E2EConfig, world: int, rank: int, count: int):
-    """``count`` of this rank's batches: (neorec Batch, global batch size, torchrec KJT)."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TRKJT
-
+def make_batches(source, c: E2EConfig, world: int, rank: int, count: int, torchrec: bool = True):
+    """``count`` of this rank's batches: (neorec Batch, global batch size, torchrec KJT or None
+    without ``torchrec``: for neorec-only measurements, which then need no torchrec installed)."""
     from neorec.train.distributed import split_batch
 
     out = []
@@ -135,7 +137,11 @@ def make_batches(source, c: E2EConfig, world: int, rank: int, count: int):
         size = batch.batch_size
         mine = split_batch(batch, rank, world) if world > 1 else batch
         kjt = mine.sparse
-        tr = TRKJT(keys=list(kjt.keys()), values=kjt.values.clone(), lengths=kjt.lengths.clone())
+        tr = None
+        if torchrec:
+            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TRKJT
+
+            tr = TRKJT(keys=list(kjt.keys()), values=kjt.values.clone(), lengths=kjt.lengths.clone())
         out.append((mine, size, tr))
     return out
 
@@ -419,15 +425,15 @@ def main(argv=None) -> int:
                        f"per rank, pooling {c.pooling:g}" for n, c in CONFIGS.items()) + " (default: both)")
     p.add_argument("--ranks", default="1,2",
                    help="comma-separated gloo world sizes to run each config on (default: 1,2)")
-    p.add_argument("--steps", type=int, default=6, help="steps per timed run")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per framework (alternating)")
-    p.add_argument("--batches", type=int, default=8, help="distinct global batches, cycled")
+    p.add_argument("--steps", type=at_least(1), default=6, help="steps per timed run")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="timed runs per framework (alternating)")
+    p.add_argument("--batches", type=at_least(1), default=8, help="distinct global batches, cycled")
     p.add_argument("--quick", action="store_true", help="small tables and batches (smoke test)")
     p.add_argument("--profile", default="", help="write torch.profiler tables of one neorec run to PREFIX_*.txt")
     p.add_argument("--trace", default="", help="write a chrome trace of one neorec run per rank to PREFIX_*_rankN.json")
     p.add_argument("--keep-malloc", action="store_true",
                    help="leave glibc's malloc thresholds as they are (default: neorec's, for both frameworks)")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / ranks)")
+    p.add_argument("--threads", type=at_least(0), default=0, help="intra-op threads per rank (0: cores / ranks)")
     p.add_argument("--pipelines", action="store_true",
                    help="also time each framework's pipelined loop (neorec's TrainPipeline, TorchRec's "
                         "TrainPipelineSparseDist) as two more contenders in the alternation, on models of their own")
@@ -447,6 +453,12 @@ def main(argv=None) -> int:
         p.error(f"--ranks takes comma-separated integers, got {args.ranks!r}")
     if min(worlds) < 1:
         p.error(f"--ranks must be >= 1, got {args.ranks!r}")
+    missing = [peer for peer in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(peer) is None]
+    if missing:  # said before any work: the workers died on the import, inside a ProcessRaisedException
+        print(f"bench_e2e: {' and '.join(missing)} not installed; the peers' recipe is in "
+              "benchmarks/requirements-peers.txt (pip install -r benchmarks/requirements-peers.txt && "
+              "pip install --no-deps torchrec==1.8.0)", file=sys.stderr)
+        return 2
     results = []
     print(f"{'config':8} {'ranks':>5} {'neorec samples/s':>17} {'torchrec samples/s':>19} {'neorec ms':>10} "
           f"{'torchrec ms':>12} {'ratio':>6} {'pair ratio':>11}   loss first->last tenth (neorec | torchrec)",

@@ -24,6 +24,8 @@ from neorec.native import native_available
 from neorec.sharding.output_dist import part_runs
 from neorec.sparse.column_blocks import ColumnBlocks
 
+from bench_args import at_least  # same folder (run as a script)
+
 SHAPES = {"pool1": (26, 2048), "pool20": (16, 1024)}
 DIM = 64
 
@@ -44,7 +46,7 @@ def rounds_arg(text: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--rounds", type=rounds_arg, default=40,
                         help=f"rounds per shape; the first {WARMUP} are warm-up and dropped, so at least "
                              f"{WARMUP + 1} (default 40)")

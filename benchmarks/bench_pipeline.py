@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from bench_args import at_least  # same folder (run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -119,13 +122,20 @@ def run_variant(name: str, args, network: Optional[VethPair], port: int) -> Dict
             env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
         procs.append(subprocess.Popen(prefix + common, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    for rank, (p, text) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
-            raise RuntimeError(f"{name}: rank {rank} failed (exit {p.returncode}):\n{text[-3000:]}")
-    tx = [network.tx_bytes(i) - tx_before[i] for i in range(2)] if network else [0, 0]
-    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    timeline = json.loads((out / "timeline.json").read_text())
+    try:
+        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+        for rank, (p, text) in enumerate(zip(procs, outputs)):
+            if p.returncode != 0:
+                raise RuntimeError(f"{name}: rank {rank} failed (exit {p.returncode}):\n{text[-3000:]}")
+        tx = [network.tx_bytes(i) - tx_before[i] for i in range(2)] if network else [0, 0]
+        final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        timeline = json.loads((out / "timeline.json").read_text())
+    finally:  # a timeout left both ranks training on as orphans
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(out, ignore_errors=True)
     phases = timeline["phases"]
     blocked = timeline["exposed_comm"]["ms_per_step_by_collective"]
     return {"input_blocked_ms": sum(v for k, v in blocked.items() if k.startswith("input_dist")),
@@ -149,9 +159,9 @@ def main() -> None:
                         help="netns: 2 namespaces over a shaped veth pair (default); loopback: the host's lo")
     parser.add_argument("--rate", default="1gbit", help="tc rate of each veth end (default 1gbit)")
     parser.add_argument("--delay-ms", type=float, default=0.5, help="netem delay per direction (default 0.5)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
-    parser.add_argument("--batch", type=int, default=1024, help="samples per rank per step (default 1024)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds over the variants (default 2)")
+    parser.add_argument("--steps", type=at_least(1), default=30, help="training steps per run (default 30)")
+    parser.add_argument("--batch", type=at_least(1), default=1024, help="samples per rank per step (default 1024)")
+    parser.add_argument("--repeats", type=at_least(1), default=2, help="rounds over the variants (default 2)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of "
                         + ", ".join(VARIANTS))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")

@@ -36,6 +36,8 @@ from neorec.planner.presets import get_model_preset
 from neorec.planner.simulate import scaling, simulate
 from neorec.planner.topology import zionex
 
+from bench_args import at_least  # same folder (run as a script)
+
 WORLDS = (4, 8, 16, 32, 64, 128)
 
 
@@ -120,9 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("suite", "paper", "all"), default="all")
     parser.add_argument("--models", default="neo-model-a,neo-model-f,neo-model-i")
-    parser.add_argument("--tasks", type=int, default=100)
+    parser.add_argument("--tasks", type=at_least(1), default=100)
     parser.add_argument("--time-limit", type=float, default=2.0, help="planner search seconds per suite task")
-    parser.add_argument("--paper-rounds", type=int, default=300,
+    parser.add_argument("--paper-rounds", type=at_least(1), default=300,
                         help="improvement-search rounds per model plan (no time limit: deterministic)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()

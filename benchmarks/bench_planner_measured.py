@@ -50,6 +50,8 @@ from neorec.planner.simulate import simulate
 from neorec.sharding import ShardedEmbeddingBagCollection, ShardingPlan, row_wise, table_wise
 from neorec.sparse.jagged import KeyedJaggedTensor
 
+from bench_args import at_least  # same folder (run as a script)
+
 BATCH = 512
 VARIANTS = {  # planner runs restricted to these sharding types, plus hand-made plans (None)
     "planner": ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "table_column_wise"),
@@ -208,7 +210,7 @@ def run_world(world: int, steps: int, tables: List[TableSpec], calibration_dir: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=at_least(1), default=8)
     parser.add_argument("--out")
     args = parser.parse_args()
     tables = make_tables()

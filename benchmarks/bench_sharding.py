@@ -49,6 +49,8 @@ from neorec.sharding import (
 )
 from neorec.train.distributed import split_batch
 
+from bench_args import at_least  # same folder (run as a script)
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise", "table_column_wise", "default"]
 RANKS_PER_NODE = 2
@@ -121,7 +123,9 @@ def train_qps(nproc: int, samples: int, threads: int) -> float:
                    "--set", f"train.num_threads={threads}"]
         if nproc > 1:
             command += ["--nproc", str(nproc)]
-        subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT, timeout=900)
+        run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+        if run.returncode != 0:  # the ranks' own error lines, not only "returned non-zero exit status"
+            raise RuntimeError(f"neorec train --nproc {nproc} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
         final = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[-1])
         return float(final["qps"])
 
@@ -139,15 +143,17 @@ def measure_speed(repeats: int, samples: int) -> Dict[str, Dict]:
             "ratio_nproc2_over_nproc1_threads1": medians["nproc2"] / medians["nproc1_threads1"]}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["bytes", "speed", "all"], default="all")
     parser.add_argument("--worlds", default="2,4", help="world sizes of the byte counts (default 2,4)")
-    parser.add_argument("--steps", type=int, default=3, help="steps averaged in the byte counts")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each speed contender")
-    parser.add_argument("--samples", type=int, default=153_600, help="training samples per speed run")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="steps averaged in the byte counts")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="alternating runs of each speed contender")
+    parser.add_argument("--samples", type=at_least(2048), default=153_600,
+                        help="training samples per speed run (at least one step of 1024 samples on each of 2 "
+                        "ranks: --max-steps 0 would mean a whole epoch)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "torch": torch.__version__, "cpus": os.cpu_count()},
               "date": time.strftime("%Y-%m-%d")}

@@ -39,6 +39,8 @@ from torch import nn
 from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags, TableConfig
 from neorec.sparse import KeyedJaggedTensor
 
+from bench_args import at_least  # same folder (run as a script)
+
 LEARNING_RATE, EPS = 0.05, 1e-8
 
 
@@ -183,7 +185,8 @@ def bench_config(config: BenchConfig, repeats: int, steps: int, warmup: int, use
         return (time.perf_counter() - start) / count * 1e3
 
     for name in contenders:
-        run(name, warmup)
+        if warmup:
+            run(name, warmup)
     times: Dict[str, List[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name in contenders:  # A, B, C, A, B, C ...
@@ -221,11 +224,11 @@ def machine() -> Dict:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
-    parser.add_argument("--repeats", type=int, default=7, help="alternating rounds per contender")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per timed run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
+    parser.add_argument("--repeats", type=at_least(1), default=7, help="alternating rounds per contender")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="training steps per timed run")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per contender first")
     parser.add_argument("--quick", action="store_true", help="small tables and 3 repeats (smoke test)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-fbgemm", action="store_true", help="skip fbgemm_gpu even if importable")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

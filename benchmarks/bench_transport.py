@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench_args import at_least  # same folder (run as a script)
+
 # floats each rank holds for the output all-to-all: [world x local batch, its tables x dim]
 SIZES = {"pool1 (26 tables, B 2048/rank)": 2 * 2048 * 13 * 64, "pool20 (16 tables, B 1024/rank)": 2 * 1024 * 8 * 64}
 
@@ -76,7 +78,7 @@ def worker(rank: int, world: int, store: str, token: str, repeats: int) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--repeats", type=at_least(1), default=40)
     args = parser.parse_args(argv)
     if not os.path.isdir("/dev/shm"):
         print("no /dev/shm on this host", file=sys.stderr)

@@ -40,6 +40,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from bench_args import at_least
 from bench_triton_tbe import copy_bandwidth, output_path, timing_device  # same folder (run as a script)
 
 
@@ -165,7 +166,7 @@ def run_config(config: CacheBenchConfig, device: torch.device, repeats: int, cop
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=15, help="timed calls per contender and phase")
+    parser.add_argument("--repeats", type=at_least(1), default=15, help="timed calls per contender and phase")
     parser.add_argument("--out", default=None,
                         help="results JSON (default: benchmarks/results/bench_triton_cache.json of this repository; "
                              "with --smoke, nothing is written unless --out is given)")

@@ -43,6 +43,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
+from bench_args import at_least  # same folder (run as a script)
+
 LEARNING_RATE, EPS = 0.05, 1e-8
 
 
@@ -258,9 +260,9 @@ def check_forward(contenders, batch: Batch) -> float:
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--num-batches", type=int, default=4)
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--num-batches", type=at_least(1), default=4)
     parser.add_argument("--out", default=None,
                         help="results JSON (default: benchmarks/results/bench_triton_tbe.json of this repository; "
                              "with --smoke, nothing is written unless --out is given)")

@@ -20,6 +20,8 @@ import re
 import sys
 from typing import List, Optional, Tuple
 
+from bench_args import at_least  # same folder (run as a script)
+
 DEFAULT_MATCH = ("gloo:", "c10d::", "DistributedDataParallel.forward", "PathLookup", "_DifferentiableAllToAll",
                  "Optimizer.step", "_PlaceParts", "_DotInteraction", "aten::linear",
                  "evaluate_function: AddmmBackward0", "evaluate_function: _AlignedLinear")
@@ -45,7 +47,7 @@ def ranks_of(prefix: str) -> Optional[int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("prefix", help="PREFIX_CONFIG_rW of the trace files (without _rankN.json)")
-    parser.add_argument("--ranks", type=int, default=None,
+    parser.add_argument("--ranks", type=at_least(1), default=None,
                         help="trace files to merge (default: W of the prefix's _rW suffix, else 2)")
     parser.add_argument("--start", type=float, default=0.0, help="ms from the first event")
     parser.add_argument("--end", type=float, default=float("inf"), help="ms from the first event")

@@ -75,9 +75,8 @@ def test_bench_allocator_shows_a_failed_childs_error(monkeypatch, capsys):
 @pytest.mark.slow
 def test_bench_allocator_worker_runs_against_bench_e2e():
     """One process of the benchmark at its smallest (about 10 s): it must keep up with bench_e2e's
-    ``NeorecRunner``. bench_e2e builds TorchRec's batches too: the peers must be installed
-    (benchmarks/requirements-peers.txt), which the test install does not do."""
-    pytest.importorskip("torchrec")
+    ``NeorecRunner``. It measures neorec alone and needs no peer installed (bench_e2e's batches
+    imported torchrec for batches this benchmark never used)."""
     import bench_allocator
 
     out = subprocess.run([sys.executable, "-c", bench_allocator.WORKER, BENCHMARKS, "pool1", "0", "1", "1", "1"],
@@ -101,3 +100,77 @@ def test_planner_measured_correlates_busy_ranks_only_and_ranks_ties_by_their_mea
     assert [summarize(busy + idle)[k] for k in compute] == [summarize(busy)[k] for k in compute]
     assert summarize(busy)["points_compute"] == 3
     assert summarize(busy)["pearson_compute"] == pytest.approx(-0.5)
+
+
+@pytest.mark.parametrize("script, argv, option", [
+    ("bench_tbe", ["--steps", "0"], "--steps"),
+    ("bench_aligned_linear", ["--rounds", "0"], "--rounds"),
+    ("bench_transport", ["--repeats", "0"], "--repeats"),
+    ("bench_e2e", ["--repeats", "-1"], "--repeats"),
+    ("bench_sharding", ["--samples", "2000"], "--samples"),  # 0 steps: --max-steps 0 = a whole epoch
+])
+def test_counts_that_leave_nothing_to_time_are_usage_errors(script, argv, option, capsys):
+    """--rounds 0 / --repeats 0 ran the work, then stopped on "no median for empty data"; --steps 0 on
+    a division by zero."""
+    import importlib
+
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be >= " in capsys.readouterr().err
+
+
+def test_bench_tbe_takes_no_warm_up():
+    import bench_tbe
+
+    config = bench_tbe.BenchConfig("tiny", 2, 50, 8, 4, 2)
+    result = bench_tbe.bench_config(config, repeats=1, steps=1, warmup=0, use_fbgemm=False)
+    assert all(len(times) == 1 and times[0] > 0 for times in result["all_ms"].values())
+
+
+def test_bench_e2e_without_its_peers_says_so_before_any_work(monkeypatch, capsys):
+    import importlib.util
+
+    import bench_e2e
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchrec" else real(name, *a))
+    assert bench_e2e.main(["--quick", "--ranks", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "torchrec" in captured.err and "benchmarks/requirements-peers.txt" in captured.err
+    assert captured.out == ""  # no table header for a run that cannot start
+
+
+def test_bench_sharding_shows_the_failed_runs_own_error(monkeypatch):
+    import bench_sharding
+
+    def failed(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, "", "neorec train (rank 1): error: ValueError: boom\n")
+
+    monkeypatch.setattr(bench_sharding.subprocess, "run", failed)
+    with pytest.raises(RuntimeError, match=r"(?s)--nproc 2 failed \(exit 1\):.*rank 1\): error: ValueError: boom"):
+        bench_sharding.train_qps(2, 4096, 0)
+
+
+def test_bench_pipeline_kills_its_ranks_and_removes_their_folder_on_a_timeout(monkeypatch, tmp_path):
+    """A timeout left both ranks training on as orphans, and every run left its output folder."""
+    import argparse
+
+    import bench_pipeline
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def sleeper(command, **kwargs):
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return started[-1]
+
+    monkeypatch.setattr(bench_pipeline.subprocess, "Popen", sleeper)
+    monkeypatch.setattr(bench_pipeline.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    args = argparse.Namespace(steps=1, batch=8, timeout=0.5)
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench_pipeline.run_variant("plain", args, None, 29500)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+    assert not (tmp_path / "out").exists()
