@@ -199,14 +199,16 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             out = os.path.join(processed, split)
             stats = criteo.preprocess_criteo(tsv, out, num_embeddings=args.num_embeddings,
                                              skip_malformed=args.skip_malformed)
+            for example in stats.skipped_examples:
+                print(f"  skipped {example}")
+            if stats.num_rows == 0:  # training on it would stop at "has no training rows": not left as a copy
+                criteo.remove_processed(out)
+                why = f"its {stats.num_skipped:,} lines are all malformed" if stats.num_lines else "empty"
+                raise ValueError(f"{tsv} holds no rows ({why}):"
+                                 f" nothing to {'train' if split == 'train' else 'evaluate'} on")
             skipped = f", {stats.num_skipped:,} malformed lines skipped" if stats.num_skipped else ""
             print(f"preprocessed {tsv} -> {out}: {stats.num_rows:,} rows of {stats.num_lines:,} lines"
                   f"{skipped} ({stats.num_bytes / 2**20:,.1f} MiB read in {stats.seconds:.1f} s)")
-            for example in stats.skipped_examples:
-                print(f"  skipped {example}")
-            if stats.num_rows == 0:  # training on it would stop at "has no training rows"
-                raise ValueError(f"{tsv} holds no rows ({'every line is malformed' if stats.num_lines else 'empty'}):"
-                                 f" nothing to {'train' if split == 'train' else 'evaluate'} on")
         if args.eval_tsv is not None:
             sets.append(f"data.criteo.eval_path={toml_string(args.eval_tsv)}")
         if args.processed_dir is not None:

@@ -210,6 +210,7 @@ class DataConfig:
             for key in ("train_path", "eval_path"):
                 path = getattr(self.criteo, key)
                 if path and not Path(path).is_file():
-                    raise FileNotFoundError(f"Criteo TSV file not found: {path} (data.criteo.{key})")
+                    raise FileNotFoundError(f"Criteo TSV file not found: {path} (data.criteo.{key}; `neorec data "
+                                            f"write-criteo {path}` writes learnable synthetic data in its layout)")
         elif self.source == "movielens" and not Path(self.movielens.path).is_dir():
             raise FileNotFoundError(f"MovieLens directory not found: {self.movielens.path} (data.movielens.path)")

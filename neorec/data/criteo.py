@@ -15,7 +15,8 @@ counts, the format version and the source file's size, mtime and ``source_finger
 TSV is reprocessed).
 
 Processes that preprocess the same directory (the ranks of a ``--nproc`` run, two runs on one TSV)
-take turns on an exclusive lock, ``<processed dir>.lock`` beside it: the first builds the copy,
+take turns on an exclusive lock beside the directory (``PROCESSED_DIR/train.lock`` for
+``PROCESSED_DIR/train``): the first builds the copy,
 the others wait and then use it.
 """
 
@@ -25,10 +26,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, List, Tuple
@@ -257,6 +259,16 @@ def _writing(path: Path) -> Iterator[None]:
         raise OSError(f"writing {path} failed ({reason}): the disk may be full; free space there or "
                       "put the processed copy on another disk (data.criteo.processed_dir, or the output directory of "
                       "preprocess-criteo)") from exc
+
+
+def remove_processed(out_dir: str | os.PathLike) -> None:
+    """Remove the processed copy ``out_dir`` (its files, its lock beside it, and the processed
+    folder holding it when nothing else is left there)."""
+    out_dir = Path(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.with_name(f"{out_dir.name}.lock").unlink(missing_ok=True)
+    with suppress(OSError):
+        out_dir.parent.rmdir()  # only when empty
 
 
 @contextmanager

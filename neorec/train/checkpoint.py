@@ -55,8 +55,10 @@ from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces
 from neorec.train.checkpoint_manifest import (FORMAT, MANIFEST, ResumeChoice, _chain_parts,
                                               _changed_optimizer_settings, _manifest_digest, _read_manifest,
                                               _step_of, _table_shapes, check_resumable, checkpoint_name,
-                                              find_latest_complete, newest_saved_step, verify_checkpoint)
+                                              find_latest_complete, newest_saved_step, no_checkpoint_message,
+                                              verify_checkpoint)
 from neorec.train.distributed import all_reduce_sums
+
 
 @dataclass
 class Position:
@@ -131,6 +133,11 @@ class Checkpointer:
             return Position()
         position = self.restore(Path(choice.location), found=choice.found)
         self._refuse_other_runs(position.step)
+        if self.root is None:  # --resume reads a checkpoint; only checkpoint.dir makes a run save them
+            location = Path(choice.location)
+            root = location.parent if _step_of(location) is not None else location
+            self._say(f"this run saves no checkpoints (checkpoint.dir is empty); to save as it goes: "
+                      f"--set checkpoint.dir='\"{root}\"' --set checkpoint.every_steps=N")
         if position.batch_in_epoch >= steps_per_epoch:
             position = Position(position.step, position.epoch + 1, 0)
         self.position = position
@@ -339,7 +346,7 @@ class Checkpointer:
         else:
             found = find_latest_complete(location, out=self.trainer.out if self.rank == 0 else io.StringIO())
             if found is None:
-                raise ValueError(f"--resume: no complete checkpoint in {location}")
+                raise ValueError(no_checkpoint_message(location))
             path, manifest = found
         trainer = self.trainer
         samples_in_epoch = check_resumable(manifest, path, trainer.cfg, trainer.source, self.world_size)

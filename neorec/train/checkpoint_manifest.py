@@ -232,3 +232,14 @@ def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> 
             continue  # torn or corrupt: the ranks report it and take an older one (or stop)
         check_resumable(manifest, path, cfg, source, world_size)
         return
+    if not named:  # every rank would stop on it
+        raise ValueError(no_checkpoint_message(location))
+
+
+def no_checkpoint_message(root: Path) -> str:
+    """Why ``--resume root`` finds nothing to load, and what to do."""
+    if _newest_first(Path(root)):
+        return f"--resume: no complete checkpoint in {root} (each of its step-N folders is incomplete or corrupt)"
+    return (f"--resume: no complete checkpoint in {root}: it holds no step-N folders (checkpoints are saved only "
+            f"with checkpoint.dir set: --set checkpoint.dir='\"DIR\"' --set checkpoint.every_steps=N, then "
+            f"--resume DIR)")

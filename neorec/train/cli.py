@@ -51,6 +51,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.trainer import Trainer
 
     cfg = _train_config(args)
+    cfg.data.check_inputs_exist()  # named by its key, before the model is built
     trainer = Trainer(cfg, resume=args.resume)
     _print_header(cfg, trainer)
     with _terminate_raises():

@@ -30,6 +30,7 @@ class MetricsLog:
         self.path, self.run = path, run
         self._file: Optional[TextIO] = None
         self.replaced = False
+        self.kept = 0  # records of the resumed checkpoint's runs kept (continue_after_step)
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,7 @@ class MetricsLog:
                         line = json.dumps(dict(record, kind="eval", epoch=epoch), sort_keys=True)
                     kept.append(line + "\n")
             write_atomic(path, "".join(kept))
+            self.kept = len(kept)
         else:
             self.replaced = path.is_file() and path.stat().st_size > 0
         self._file = path.open("a" if kept else "w")

@@ -370,7 +370,11 @@ class Trainer:
         last_epoch_trained = epoch - 1 if batch_in_epoch == 0 and epoch > 0 else epoch
         log = MetricsLog(writes / "metrics.jsonl" if writes else None, continue_after_step=self.step or None,
                          epoch=last_epoch_trained, run=self.run_id, keep_runs=self.ancestor_runs)
-        if log.replaced:
+        if log.replaced and log.kept:  # a branch resumed from an earlier checkpoint: its ancestors' records stay
+            print(f"train.output_dir {writes}: metrics.jsonl keeps the {log.kept} records of the resumed "
+                  f"checkpoint's runs up to step {self.step} and drops those of another run (not the resumed "
+                  f"checkpoint's); config.json is replaced", file=self.out, flush=True)
+        elif log.replaced:
             whose = "another run (not the resumed checkpoint's)" if self.step else "an earlier run"
             print(f"train.output_dir {writes}: replacing the metrics.jsonl and config.json of {whose}",
                   file=self.out, flush=True)
@@ -561,5 +565,5 @@ class Trainer:
 
 
 def _format_eval(step: int, m: Dict[str, float]) -> str:
-    return (f"eval @ step {step}: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
+    return (f"eval @ step {step:,}: AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
             f"calibration {m['calibration']:.3f}  ({int(m['num_samples']):,} samples)")

@@ -86,13 +86,15 @@ def test_preprocessing_a_tsv_without_rows_fails_and_a_negative_seed_is_named_as_
     empty.write_text("")
     assert main(["data", "preprocess-criteo", str(empty), str(tmp_path / "a")]) == 2
     out, err = capsys.readouterr()
-    assert err == f"neorec data: error: {empty} holds no rows (empty): nothing to train on\n" and "train on it" not in out
+    assert err == f"neorec data: error: {empty} holds no rows (empty): nothing to train on\n" and out == ""
+    assert not (tmp_path / "a").exists()  # no empty copy left behind ("preprocessed ... 0 rows" was said first)
     junk = tmp_path / "junk.tsv"
     junk.write_text("a,b,c\n1,2,3\n")
     assert main(["data", "preprocess-criteo", str(junk), str(tmp_path / "b"), "--skip-malformed"]) == 2
     out, err = capsys.readouterr()
-    assert "2 malformed lines skipped" in out and "train on it" not in out
-    assert err == f"neorec data: error: {junk} holds no rows (every line is malformed): nothing to train on\n"
+    assert "preprocessed" not in out and "train on it" not in out and "  skipped " in out  # the examples
+    assert err == f"neorec data: error: {junk} holds no rows (its 2 lines are all malformed): nothing to train on\n"
+    assert not (tmp_path / "b").exists()
     assert main(["data", "write-criteo", str(tmp_path / "x.tsv"), "--lines", "10", "--seed", "-1"]) == 2
     assert capsys.readouterr().err == "neorec data: error: --seed must be >= 0, got -1\n"
     assert not (tmp_path / "x.tsv").exists()
@@ -161,12 +163,25 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     assert main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), "--nproc", "2",
                  "--set", f"data.criteo.train_path={missing}"]) == 2
     err = capsys.readouterr().err
-    assert err == f"neorec train: error: Criteo TSV file not found: {missing} (data.criteo.train_path)\n", err
+    assert err == f"neorec train: error: Criteo TSV file not found: {missing} (data.criteo.train_path; `neorec data " \
+                  f"write-criteo {missing}` writes learnable synthetic data in its layout)\n", err
+    assert main(["train", "--config", str(ROOT / "configs" / "criteo.toml"),  # one process: the key was not named
+                 "--set", f"data.criteo.train_path={missing}"]) == 2
+    assert capsys.readouterr().err == err
     assert main(["train", "--config", str(ROOT / "configs" / "movielens.toml"), "--nproc", "2",
                  "--set", f"data.movielens.path={tmp_path / 'ml'}"]) == 2
     assert "MovieLens directory not found: " in capsys.readouterr().err
     assert main(["train", "--config", str(TINY), "--nproc", "2", "--resume", str(tmp_path / "nockpt")]) == 2
     assert capsys.readouterr().err == f"neorec train: error: --resume: {tmp_path / 'nockpt'} does not exist\n"
+    empty = tmp_path / "empty"  # each rank found no checkpoint in it
+    empty.mkdir()
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--resume", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no complete checkpoint in {empty}: it holds no step-N folders" in err, err
+    assert main(["train", "--config", str(TINY), "--resume", str(empty), "--no-progress"]) == 2  # one process
+    err = capsys.readouterr().err
+    assert f"no complete checkpoint in {empty}: it holds no step-N folders (checkpoints are saved only with " \
+           "checkpoint.dir set" in err, err
     assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--nproc", "2"]) == 2
     err = capsys.readouterr().err  # its cached tables are sharded; their rows cannot be prefetched
     assert err.count("\n") == 1 and "embedding.location.prefetch = true needs a single-process run" in err, err

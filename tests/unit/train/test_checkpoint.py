@@ -86,6 +86,10 @@ def test_resume_at_epoch_end_and_after_the_end(tmp_path):
     assert_identical(snapshot(reference), snapshot(resumed))
     again = make_trainer(tmp_path, resume=str(tmp_path / "ckpt"), name="again")  # nothing left to train
     assert again.fit().samples == 0 and again.step == 16
+    # resumed without checkpoint.dir: it saved nothing, and did not say so
+    assert f"checkpoint: this run saves no checkpoints (checkpoint.dir is empty); to save as it goes: --set " \
+           f"checkpoint.dir='\"{tmp_path / 'ckpt'}\"' --set checkpoint.every_steps=N" in again.out.getvalue()
+    assert "saves no checkpoints" not in resumed.out.getvalue()
 
 
 def test_resumed_run_continues_the_metrics_log(tmp_path):

@@ -183,7 +183,9 @@ def test_a_resumed_run_keeps_only_the_records_of_the_runs_its_checkpoint_descend
     out = io.StringIO()
     make_trainer(tmp_path, *checkpoint, "train.max_steps=14", resume=str(tmp_path / "ckpt"), out=out).fit()
     records = read_log(tmp_path)
-    assert "of another run" in out.getvalue()  # the branch's steps 10 and 12 are not this run's
+    # the branch's steps 10 and 12 are not this run's; its ancestors' records stay (it said "replacing")
+    assert f"train.output_dir {tmp_path / 'run'}: metrics.jsonl keeps the 3 records of the resumed checkpoint's " \
+           "runs up to step 12 and drops those of another run" in out.getvalue()
     assert kinds(records) == [("train", 6), ("train", 8), ("eval", 8), ("train", 14), ("final", 14)]
     assert {r["run"] for r in records[:3]} == {second}
 
