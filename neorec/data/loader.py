@@ -7,7 +7,8 @@
 Iterating yields the same batches in the same order as iterating ``batches`` directly. An exception
 raised while producing a batch is re-raised in the consumer (same exception object, original
 traceback kept); iterations side by side are independent. Leaving the loop early, ``close()`` or
-leaving the ``with`` block stops the thread; nothing hangs. ``depth=0`` iterates in the caller's thread (no background thread).
+leaving the ``with`` block stops the thread; nothing hangs. ``depth=0`` iterates in the caller's
+thread (no background thread).
 """
 
 from __future__ import annotations

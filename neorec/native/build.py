@@ -6,10 +6,10 @@ The C sources ship with the package and are compiled on first use with the syste
 library in a cache folder (``$NEOREC_KERNEL_CACHE``, else ``~/.cache/neorec/kernels``), keyed by a
 hash of the sources, the flags, the compiler command and its version and this CPU's kind
 (``_cpu_signature``); later processes load the cached library with ctypes (the first build takes
-several seconds: ~10 s on this project's 2-core machine). When that folder cannot be written, the build goes to a per-user
-folder under the temp directory, used only while it is this user's alone (owned by them, writable
-by no one else, not a link), else to a fresh private temporary folder: a library someone else
-could have put there is never loaded.
+several seconds: ~10 s on this project's 2-core machine). When that folder cannot be written, the
+build goes to a per-user folder under the temp directory, used only while it is this user's alone
+(owned by them, writable by no one else, not a link), else to a fresh private temporary folder: a
+library someone else could have put there is never loaded.
 
 Threads: the kernels parallelise with OpenMP. The library is loaded after torch, whose libgomp
 (soname ``libgomp.so.1``) the dynamic linker then reuses, so the kernels run on torch's own thread
