@@ -485,7 +485,6 @@ def test_a_stopped_single_process_run_says_where_and_how_to_resume(tmp_path, sig
     """Ctrl-C or SIGTERM of `neorec train`: the step it stopped after and the checkpoint to resume
     from (SIGTERM killed the process without a word)."""
     import os
-    import signal
     import sys
     import time
 

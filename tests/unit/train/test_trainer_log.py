@@ -11,7 +11,6 @@ import io
 import json
 
 import pytest
-import torch
 
 import neorec.train.trainer as trainer_module
 from neorec.config import load_config
