@@ -23,7 +23,8 @@ before touching any row). ``prefetch(features)`` names the batch after the next 
 load while that forward/backward runs. ``flush()`` may be called between steps.
 
 Not covered by ``state_dict``: the rows of cached tables live in their stores; the module's buffers
-hold only the device tables and cache slots. The trainer's checkpoints cover them
+hold only the device tables and cache slots (``load_state_dict`` refuses them, and copies and
+pickles of a collection with cached tables are refused). The trainer's checkpoints cover them
 (``neorec/train/checkpoint_tables.py``, ``CachedPieces``) through ``read_rows`` / ``write_rows``
 (rows where training sees them, between steps) and ``track_modified_rows`` /
 ``take_modified_rows`` (every table; a cached table's rows are marked at each training lookup).
@@ -149,6 +150,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._pending_update = False
         self._prefetch_request: Optional[List[Tuple[str, torch.Tensor]]] = None  # (cache, ids), checked
         self._modified: Optional[Dict[str, torch.Tensor]] = None  # cached tables' rows trained since a take
+        if self.caches:  # its buffers hold cache slots, not which rows they are
+            self._register_load_state_dict_pre_hook(_refuse_cache_slots, with_module=True)
 
     # ------------------------------------------------------------------------------ construction
     def _make_tbe(self, shapes: Dict[str, Tuple[int, int]], optimizer: SparseOptimizerConfig,
@@ -421,6 +424,15 @@ class CachedEmbeddingBagCollection(nn.Module):
             column += dim
         return KeyedTensor(self.feature_names, self.embedding_dims, values)
 
+    def __getstate__(self):
+        """Copies (``copy.deepcopy``) and pickles: refused while tables are cached, whose rows live in
+        stores this module owns (files, worker threads); a plain "cannot pickle SimpleQueue" said it."""
+        if self.caches:
+            raise TypeError(f"a CachedEmbeddingBagCollection with cached tables {sorted(self.caches)} cannot be "
+                            "copied or pickled: their rows live in row stores it owns; build another one and copy "
+                            "the rows with read_rows / write_rows (or save a checkpoint)")
+        return super().__getstate__()
+
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` / ``.cuda()`` / ``.half()`` leave ``host_tbe`` as it is: its tables live in
         host memory by design (``build_model`` moving the whole model put them on the GPU, and the
@@ -586,3 +598,13 @@ class CachedEmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         placed = {n: loc.kind for n, loc in self.locations.items() if loc.kind != "device"}
         return f"locations={placed}"
+
+
+def _refuse_cache_slots(module: CachedEmbeddingBagCollection, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` of a collection with cached tables, given its buffers: they hold cache
+    slots without the tags saying which row each slot holds, so loading them put old rows under
+    other ids (rolled back on the same module) or restored nothing (into a fresh one)."""
+    if any(key.startswith(prefix) for key in state_dict):
+        raise ValueError(f"load_state_dict: the state dict of a CachedEmbeddingBagCollection holds the cache slots "
+                         f"of the cached tables {sorted(module.caches)}, not which rows they are; restore their "
+                         f"rows with write_rows (read_rows to save them) or with neorec train's checkpoints")

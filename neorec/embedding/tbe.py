@@ -298,6 +298,17 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self.modified_rows is not None:
             self.modified_rows[group.row_start + rows] = True
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` / ``.cuda()`` move the tables; ``.half()`` / ``.double()`` / ``.to(dtype)`` of a
+        model (meant for its dense layers) keep their storage types: converted, the rows and optimizer
+        state no longer matched ``storage.precision`` (fp16 AdaGrad state overflowed to inf and its rows
+        stopped training; fp64 rows failed in the backward after the step count had moved)."""
+        def keep_dtype(tensor: torch.Tensor) -> torch.Tensor:
+            out = fn(tensor)
+            return out if out.dtype == tensor.dtype else tensor.to(out.device)
+
+        return super()._apply(keep_dtype, recurse)
+
     # ------------------------------------------------------------------------------ forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature of ``self.feature_names`` from ``features`` (keys may be a superset

@@ -507,3 +507,28 @@ def test_tables_of_one_location_seed_draw_unrelated_rounding_noise(tmp_path):
     assert seeds["big"] != seeds["wide"]
     again = CachedEmbeddingBagCollection(TABLES, SparseOptimizerConfig("sgd", 0.1), locations=placed)
     assert seeds == {name: cache.store._generator.initial_seed() for name, cache in again.caches.items()}
+
+
+def test_cache_slots_are_not_loaded_from_a_state_dict_and_the_collection_is_not_copied():
+    """load_state_dict "matched all keys" and put the saved slots under the current tags (other rows
+    changed; a fresh module restored nothing); deepcopy failed on "cannot pickle SimpleQueue"."""
+    import copy
+    import pickle
+
+    tables = [TableConfig("user", 16, 4), TableConfig("item", 1000, 4)]
+    locations = {"item": TableLocation("cached_dram", cache_rows=8, ways=8)}
+    cached = CachedEmbeddingBagCollection(tables, SparseOptimizerConfig("sgd", 0.5), locations=locations)
+    kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 1, 2, 3]), torch.tensor([1, 3]))
+    cached(kjt).values.sum().backward()
+    saved = {k: v.clone() for k, v in cached.state_dict().items()}  # still given (the trainer filters it)
+    before = cached.table_weight("item").clone()
+    with pytest.raises(ValueError, match=r"holds the cache slots of the cached tables \['item'\], not which rows"):
+        cached.load_state_dict(saved)
+    assert torch.equal(cached.table_weight("item"), before)
+    for copy_it in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"cached tables \['item'\] cannot be copied or pickled"):
+            copy_it(cached)
+    host_only = CachedEmbeddingBagCollection(tables, locations={"item": TableLocation("dram")})  # no cache
+    twin = copy.deepcopy(host_only)
+    assert torch.equal(twin.table_weight("item"), host_only.table_weight("item"))
+    host_only.load_state_dict(twin.state_dict())

@@ -84,3 +84,35 @@ def test_float_ids_are_refused_not_truncated():
 def test_the_layout_buffer_lives_with_the_other_buffers():
     tbe = module([TableConfig("a", 10, 4)], device="meta")
     assert {buffer.device.type for buffer in tbe.buffers()} == {"meta"}
+
+
+@pytest.mark.parametrize("convert", ["half", "double", "bfloat16"])
+def test_converting_a_model_keeps_the_tables_storage_types(convert):
+    """`.half()` of a model (meant for its dense layers) converted the rows and the optimizer state
+    too: fp16 row-wise AdaGrad state overflowed to inf and its rows stopped training; fp64 rows
+    failed in the backward after the step count had moved."""
+    from neorec.embedding import StorageConfig
+    from neorec.model import DLRM
+    from neorec.embedding import EmbeddingBagCollection
+
+    tables = [TableConfig("t", 10, 4)]
+    kjt = KeyedJaggedTensor(["t"], torch.tensor([3]), torch.tensor([1]))
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.05)
+    moves = []
+    for converted in (False, True):
+        ebc = EmbeddingBagCollection(tables, optimizer, StorageConfig("fp16"))
+        dtypes = {name: b.dtype for name, b in ebc.tbe.named_buffers()}
+        if converted:
+            getattr(ebc, convert)()
+            assert {name: b.dtype for name, b in ebc.tbe.named_buffers()} == dtypes
+        before = ebc.tbe.get_table_weight("t")[3].clone()
+        for _ in range(3):
+            (ebc(kjt).values * 300.0).sum().backward()
+        moves.append(ebc.tbe.get_table_weight("t")[3] - before)
+    assert torch.equal(moves[0], moves[1]) and moves[1].abs().min() > 0
+    ebc = EmbeddingBagCollection([TableConfig("a", 10, 4), TableConfig("b", 20, 4)], optimizer)
+    model = getattr(DLRM(ebc, 3, {"a": 4, "b": 4}, [4], [4]), convert)()  # dense layers converted, tables not
+    dense_dtype = next(model.parameters()).dtype
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 5, 11]), torch.tensor([1, 1, 1, 0]))
+    model(torch.randn(2, 3, dtype=dense_dtype), kjt).sum().backward()
+    assert ebc.tbe.weights.dtype == torch.float32 and ebc.tbe.step_count == 1

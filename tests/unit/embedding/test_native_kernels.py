@@ -335,7 +335,7 @@ def test_native_refuses_buffers_changed_under_it():
     module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("rowwise_adagrad"), kernel="native")
     kjt = make_batch(tables, 3, torch.Generator().manual_seed(0), weighted=False)
     module(kjt)
-    module.double()  # the buffers become float64 while the module stays on the native path
+    module.weights = module.weights.double()  # the buffer becomes float64 while the module stays on the native path
     with pytest.raises(ValueError, match="weights must stay a contiguous torch.float32 tensor"):
         module(kjt)
 
