@@ -30,7 +30,7 @@ import shutil
 import sys
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, List, Tuple
@@ -262,13 +262,10 @@ def _writing(path: Path) -> Iterator[None]:
 
 
 def remove_processed(out_dir: str | os.PathLike) -> None:
-    """Remove the processed copy ``out_dir`` (its files, its lock beside it, and the processed
-    folder holding it when nothing else is left there)."""
+    """Remove the processed copy ``out_dir``: its files and its lock beside it."""
     out_dir = Path(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.with_name(f"{out_dir.name}.lock").unlink(missing_ok=True)
-    with suppress(OSError):
-        out_dir.parent.rmdir()  # only when empty
 
 
 @contextmanager

