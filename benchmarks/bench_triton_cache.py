@@ -176,7 +176,7 @@ def main(argv: List[str] | None = None) -> int:
 
     device = timing_device("bench_triton_cache", args.smoke, "tests/gpu/test_triton_cache.py")
     if device is None:
-        return 0
+        return 2  # nothing measured: not a success for a script checking exit codes
     configs = SMOKE if args.smoke else CONFIGS
     if args.smoke:
         args.repeats = 2

@@ -174,3 +174,18 @@ def test_bench_pipeline_kills_its_ranks_and_removes_their_folder_on_a_timeout(mo
         bench_pipeline.run_variant("plain", args, None, 29500)
     assert len(started) == 2 and all(p.poll() is not None for p in started)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["bench_triton_tbe", "bench_triton_cache"])
+def test_gpu_benchmarks_without_a_gpu_exit_non_zero_and_write_nothing(script, tmp_path, monkeypatch, capsys):
+    """They said "no CUDA device here" and exited 0: a CPU run of the documented GPU commands
+    counted as a success for a script checking exit codes."""
+    import importlib
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(script)
+    out = tmp_path / "r.json"
+    assert module.main(["--out", str(out)]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err and not out.exists()
