@@ -172,7 +172,9 @@ def test_ranks_writing_to_a_terminal_with_tostop_are_not_stopped(tmp_path):
     import select
     import termios
 
-    (tmp_path / "print_rank.py").write_text("import os\nprint('rank', os.environ['RANK'], 'wrote', flush=True)\n")
+    (tmp_path / "print_rank.py").write_text(  # to the terminal, then a file saying it got past that write
+        "import os, pathlib\nprint('rank', os.environ['RANK'], 'wrote', flush=True)\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'past-' + os.environ['RANK']).touch()\n")
     code = ("import sys\nfrom neorec.train.launch import launch_local\n"
             "sys.exit(launch_local(2, [], module='print_rank'))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
@@ -204,7 +206,8 @@ def test_ranks_writing_to_a_terminal_with_tostop_are_not_stopped(tmp_path):
             os.waitpid(pid, 0)
         os.close(fd)
     assert status == 0, (status, output)
-    assert b"rank 0 wrote" in output and b"rank 1 wrote" in output, output
+    assert (tmp_path / "past-0").exists() and (tmp_path / "past-1").exists()
+    assert output.count(b"wrote") == 2, output  # (the two ranks' lines may interleave on the terminal)
 
 
 WINDOW = """import os, signal, sys, time
