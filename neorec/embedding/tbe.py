@@ -500,19 +500,25 @@ def _check_layout(module: TableBatchedEmbeddingBags, state_dict, prefix, local_m
                   unexpected_keys, error_msgs) -> None:
     """Before a state dict's flat buffers are copied in: they must hold the same tables in the same
     order (same total size is not enough: rows would land in other tables without a word). A state
-    dict saved before the layout was recorded is taken as it is."""
+    dict saved before the layout was recorded is taken as it is. Float buffers are given in this
+    module's types (``assign=True`` put an fp32 state dict's tensors in an fp16 module as they were)."""
     key = prefix + "table_layout"
     if key not in state_dict:
         state_dict[key] = module.table_layout
-        return
-    try:
-        saved = json.loads(bytes(state_dict[key].cpu().tolist()).decode())
-    except (ValueError, TypeError, AttributeError):
-        saved = None
-    if saved != _table_layout(module):
-        raise ValueError(f"load_state_dict: the state dict holds the tables {saved} (name, rows, dim, in buffer "
-                         f"order), this module {_table_layout(module)}; their rows cannot be loaded by position "
-                         f"(rebuild the module with the same tables in the same order)")
+    else:
+        try:
+            saved = json.loads(bytes(state_dict[key].cpu().tolist()).decode())
+        except (ValueError, TypeError, AttributeError):
+            saved = None
+        if saved != _table_layout(module):
+            raise ValueError(f"load_state_dict: the state dict holds the tables {saved} (name, rows, dim, in buffer "
+                             f"order), this module {_table_layout(module)}; their rows cannot be loaded by position "
+                             f"(rebuild the module with the same tables in the same order)")
+    for name, buffer in module._buffers.items():
+        given = state_dict.get(prefix + name)
+        if (buffer is not None and isinstance(given, torch.Tensor) and given.is_floating_point()
+                and buffer.is_floating_point() and given.dtype != buffer.dtype):
+            state_dict[prefix + name] = given.to(buffer.dtype)
 
 
 def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_vars: bool) -> None:

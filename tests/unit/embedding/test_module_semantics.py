@@ -116,3 +116,18 @@ def test_converting_a_model_keeps_the_tables_storage_types(convert):
     kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 5, 11]), torch.tensor([1, 1, 1, 0]))
     model(torch.randn(2, 3, dtype=dense_dtype), kjt).sum().backward()
     assert ebc.tbe.weights.dtype == torch.float32 and ebc.tbe.step_count == 1
+
+
+def test_assigning_a_state_dict_of_another_precision_keeps_this_modules_types():
+    """load_state_dict(assign=True) of an fp32 state dict left fp32 rows in an fp16 module."""
+    from neorec.embedding import StorageConfig
+
+    tables = [TableConfig("a", 10, 4), TableConfig("c", 5, 4)]
+    source = module(tables, init_seed=3)
+    half = module(tables, storage=StorageConfig("fp16"))
+    dtypes = {name: b.dtype for name, b in half.named_buffers()}
+    half.load_state_dict(source.state_dict(), strict=False, assign=True)
+    assert {name: b.dtype for name, b in half.named_buffers()} == dtypes
+    assert torch.equal(half.weights, source.weights.half())
+    half(batch()).values.sum().backward()  # and it trains
+    assert half.step_count == 1
