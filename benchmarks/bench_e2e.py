@@ -130,6 +130,8 @@ def make_batches(source, c: E2EConfig, world: int, rank: int, count: int, torchr
     without ``torchrec``: for neorec-only measurements, which then need no torchrec installed)."""
     from neorec.train.distributed import split_batch
 
+    if torchrec:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TRKJT
     out = []
     for i, batch in enumerate(source.train_batches(c.batch_size * world, epoch=0)):
         if i == count:
@@ -137,11 +139,7 @@ def make_batches(source, c: E2EConfig, world: int, rank: int, count: int, torchr
         size = batch.batch_size
         mine = split_batch(batch, rank, world) if world > 1 else batch
         kjt = mine.sparse
-        tr = None
-        if torchrec:
-            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TRKJT
-
-            tr = TRKJT(keys=list(kjt.keys()), values=kjt.values.clone(), lengths=kjt.lengths.clone())
+        tr = TRKJT(keys=list(kjt.keys()), values=kjt.values.clone(), lengths=kjt.lengths.clone()) if torchrec else None
         out.append((mine, size, tr))
     return out
 

@@ -304,8 +304,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         state no longer matched ``storage.precision`` (fp16 AdaGrad state overflowed to inf and its rows
         stopped training; fp64 rows failed in the backward after the step count had moved)."""
         def keep_dtype(tensor: torch.Tensor) -> torch.Tensor:
-            out = fn(tensor)
-            return out if out.dtype == tensor.dtype else tensor.to(out.device)
+            probe = fn(tensor.new_empty(0))  # where and in what type fn puts it, without converting the tables
+            return fn(tensor) if probe.dtype == tensor.dtype else tensor.to(probe.device)
 
         return super()._apply(keep_dtype, recurse)
 
