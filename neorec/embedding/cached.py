@@ -346,11 +346,16 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
         for name, ids in request or ():
             self.caches[name].prefetch(ids)
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
+    def prefetch(self, features: KeyedJaggedTensor, now: bool = False) -> None:
         """Name the batch that follows the next forward: its cached rows are loaded while that
         forward and its backward run, and stay pinned until its own update is done. Its ids are
         checked here (a missing feature or an id outside its table raises now, and the request is
-        dropped), not in the forward that starts the loads."""
+        dropped), not in the forward that starts the loads.
+
+        ``now=True``: ``features`` is the NEXT forward's batch, named after the previous forward
+        (between two training steps, or between a forward and its backward); its rows start
+        loading at once. A sharded rank does this: it learns its pieces' ids of batch i + 1 from
+        the look-ahead exchange during step i (``TrainPipeline``)."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"prefetch expects a KeyedJaggedTensor, got {type(features).__name__}")
         self._prefetch_request = None
@@ -362,6 +367,8 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
                 parts = self._table_ids(features, self._table_of[name], position, offsets)
                 request.append((name, torch.cat(parts) if len(parts) > 1 else parts[0]))
             self._prefetch_request = request
+            if now:
+                self._start_prefetch()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature of ``feature_names`` (keys may be a superset); values [B, total_dim].

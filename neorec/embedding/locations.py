@@ -54,9 +54,10 @@ def _check_common(key: Callable[[str], str], kind: str, cache_rows: int, cache_f
         raise ValueError(f"{key('resident_budget_mb')} must be > 0, got {resident_budget_mb}")
 
 
-PREFETCH_SINGLE_PROCESS = ("embedding.location.prefetch = true needs a single-process run: a rank of a sharded run "
-                           "learns which rows of its pieces the next batch needs only from that batch's id exchange; "
-                           "set embedding.location.prefetch = false with --nproc / torchrun")
+PREFETCH_NEEDS_PIPELINE = ("embedding.location.prefetch = true in a sharded run needs train.pipeline = true: a rank "
+                           "learns which rows of its pieces the next batch needs from the pipeline's look-ahead id "
+                           "exchange; drop --no-pipeline (or train.pipeline=false), or set "
+                           "embedding.location.prefetch = false")
 
 
 @dataclass
@@ -131,8 +132,10 @@ class LocationConfig:
         in a sharded run); "" = the trainer's ``<train.output_dir>/embedding_ssd``. Existing stores
         there are replaced.
     prefetch: the trainer names the next batch to the cached collection before each step, so its
-        rows load during the step (in a worker thread with ``background_prefetch``). Off by
-        default: on a CPU run it did not pay for itself (benchmarks/RESULTS.md, "Embedding cache").
+        rows load during the step (in a worker thread with ``background_prefetch``); a sharded
+        rank names it after each step's backward, from the pipeline's look-ahead exchange (so it
+        needs ``train.pipeline``). Off by default: on a CPU run it did not pay for itself
+        (benchmarks/RESULTS.md, "Embedding cache").
     """
 
     default: str = "device"

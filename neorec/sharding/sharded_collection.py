@@ -204,6 +204,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self._launched is not None:
             self._launched[2].progress()
 
+    def prefetch_launched(self) -> None:
+        """Wait for the launched id exchange and start loading its rows into this rank's caches
+        (``CachedEmbeddingBagCollection.prefetch(now=True)``): the pipeline calls it after step
+        i's backward, so that batch i + 1's cached rows load during the optimizer step and the wait
+        for the next batch. Nothing without a launched exchange or cached pieces."""
+        cached = self._modules.get("cached")
+        if self._launched is None or cached is None or not cached.caches:
+            return
+        cached.prefetch(self._launched[2].wait().features, now=True)  # (waiting again gives the same batch)
+
     def drop_launched_input_dist(self) -> None:
         """Complete (so the ranks stay matched) and forget a launched, unused id exchange."""
         launched, self._launched = self._launched, None

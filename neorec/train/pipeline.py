@@ -22,7 +22,9 @@ the error is raised after it:
 1. before batch i is handed out, batch i + 1 is taken from ``items`` (a ``PrefetchLoader`` thread
    prepares it) and moved to the device; every ``CachedEmbeddingBagCollection`` of the model is
    told to prefetch its rows (they load during batch i's forward and backward, pinned, so batch
-   i + 1's loads never evict a row batch i still needs: see ``neorec/embedding/cache.py``);
+   i + 1's loads never evict a row batch i still needs: see ``neorec/embedding/cache.py``). A
+   sharded rank's cached pieces learn their ids of batch i + 1 from its exchange instead:
+   ``hooks.after_backward()`` waits for it and starts their loads (``prefetch_launched``);
 2. ``hooks.after_forward()`` (called by the step between its forward and its backward) launches
    batch i + 1's input all-to-all on every ``ShardedEmbeddingBagCollection`` of the model: its
    small header exchange runs during batch i's backward; ``hooks.after_backward()`` then launches
@@ -131,7 +133,11 @@ class TrainPipeline:
         self.device = torch.device(device)
         self.timeline = timeline
         self._sharded = sharded_collections(model)
-        self._cached = [c for c in cached_collections(model) if c.caches] if prefetch_cached_rows else []
+        # a sharded rank's cached pieces learn batch i + 1's ids from its look-ahead exchange
+        inner = {id(c.cached) for c in self._sharded if c.cached is not None}
+        self._cached = [c for c in cached_collections(model) if c.caches and id(c) not in inner] \
+            if prefetch_cached_rows else []
+        self._prefetch_pieces = prefetch_cached_rows and len(inner) > 0
         self.num_launched = 0  # input all-to-alls launched ahead (for tests and reports)
 
     def run(self, items: Iterable[Tuple[Batch, Any]],
@@ -209,6 +215,9 @@ class TrainPipeline:
         start = time.perf_counter() if self.timeline is not None else 0.0
         for collection in self._sharded:
             collection.progress_launched_input_dist()
+        if self._prefetch_pieces:  # (every exchange launched before any is waited for)
+            for collection in self._sharded:
+                collection.prefetch_launched()
         if self.timeline is not None:
             self.timeline.add("input_dist", time.perf_counter() - start)
 

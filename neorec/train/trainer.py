@@ -33,7 +33,7 @@ from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
 from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.init_stream import observing_draws
-from neorec.embedding.locations import PREFETCH_SINGLE_PROCESS
+from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
 from neorec.model import dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.build import (build_model, make_dense_optimizer, plan_locations, resolve_device,
@@ -205,8 +205,8 @@ class Trainer:
         tables = self.source.tables(cfg.model.embedding_dim, cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
         locations = plan_locations(cfg, tables, self.plan)
-        if locations is not None and cfg.embedding.location.prefetch:
-            raise ValueError(PREFETCH_SINGLE_PROCESS)
+        if locations is not None and cfg.embedding.location.prefetch and not cfg.train.pipeline:
+            raise ValueError(PREFETCH_NEEDS_PIPELINE)
         if locations is not None and any(location.kind == "cached_ssd" for location in locations.values()):
             ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir (the plan's cached_ssd tables)")
         collection = ShardedEmbeddingBagCollection(

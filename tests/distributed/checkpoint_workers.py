@@ -62,6 +62,23 @@ def train_or_resume(rank: int, world: int, group, directory: str, plan_json: str
     return snapshot(trainer, True) | {"step": torch.tensor(trainer.step)}
 
 
+def train_with_cache_stats(rank: int, world: int, group, directory: str, plan_json: str, overrides) -> Dict:
+    """``train_or_resume`` without a checkpoint, and under "cache" this rank's caches' summed
+    [hits, misses, prefetch_loads]."""
+    from neorec.sharding import ShardingPlan
+    from neorec.train.distributed import DistributedContext
+    from neorec.train.trainer import Trainer
+
+    context = DistributedContext(rank, world, rank, world, "gloo", torch.device("cpu"), group,
+                                 dist.new_group(list(range(world))))
+    cfg = small_config(os.path.join(directory, f"run{world}"), 128 // world, 64, overrides)
+    trainer = Trainer(cfg, out=io.StringIO(), distributed=context, plan=ShardingPlan.from_json(plan_json))
+    trainer.fit()
+    caches = trainer.model.module.sparse_arch.cached.caches.values()
+    stats = [sum(getattr(c.stats, field) for c in caches) for field in ("hits", "misses", "prefetch_loads")]
+    return snapshot(trainer, True) | {"cache": torch.tensor(stats)}
+
+
 def build_with_locations(rank: int, world: int, group, names, rows, plan_json: str, kinds) -> str:
     """The error a ShardedEmbeddingBagCollection with tables at ``kinds`` raises ("" if none)."""
     from neorec.embedding import TableConfig

@@ -70,6 +70,35 @@ def test_cached_pieces_train_as_device_pieces_and_checkpoint_as_logical_tables(t
             assert torch.equal(value, cached[key]), key
 
 
+@pytest.mark.filterwarnings("ignore:cache of table .* growing it:RuntimeWarning")
+def test_cached_pieces_prefetch_the_next_batch_from_the_pipelines_exchange(tmp_path):
+    """``embedding.location.prefetch`` in a sharded run: each rank learns its pieces' ids of batch
+    i + 1 from the pipeline's look-ahead exchange and loads their rows after step i's backward.
+    Training equals the run without prefetch bit for bit (fp32 stores: where a row sits changes no
+    value), and rows the prefetch loaded are hits of the next lookup."""
+    common = ["train.max_steps=6", *CACHED, "embedding.location.cache_fraction=0.3"]
+    runs = {}
+    for prefetch in ("false", "true"):
+        runs[prefetch] = run_ranks(checkpoint_workers.train_with_cache_stats, 2, tmp_path / prefetch,
+                                   args=(str(tmp_path / prefetch), PLAN,
+                                         [*common, f"embedding.location.prefetch={prefetch}"]))
+    for rank in range(2):
+        off, on = runs["false"][rank], runs["true"][rank]
+        assert off.keys() == on.keys()
+        for key in off:
+            if key != "cache":
+                assert torch.equal(off[key], on[key]), (rank, key)
+        (hits_off, misses_off, loads_off), (hits_on, misses_on, loads_on) = off["cache"].tolist(), on["cache"].tolist()
+        assert loads_off == 0 and loads_on > 0, (off["cache"], on["cache"])
+        assert hits_on + misses_on == hits_off + misses_off  # the same lookups
+        assert misses_on < misses_off and hits_on > hits_off, (off["cache"], on["cache"])
+    # the plain loop exchanges each batch's ids in its own forward: nothing to prefetch from
+    with pytest.raises(AssertionError, match="prefetch = true in a sharded run needs train.pipeline = true"):
+        run_ranks(checkpoint_workers.train_with_cache_stats, 2, tmp_path / "plain",
+                  args=(str(tmp_path / "plain"), PLAN, [*common, "embedding.location.prefetch=true",
+                                                         "train.pipeline=false"]))
+
+
 def test_a_data_parallel_table_off_the_device_is_refused(tmp_path):
     messages = run_ranks(checkpoint_workers.build_with_locations, 2, tmp_path,
                          args=([t.name for t in TABLES], [t.num_embeddings for t in TABLES], PLAN,

@@ -159,6 +159,15 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
                  "--set", "embedding.location.default='cached_dram'"]) == 2
     err = capsys.readouterr().err  # each rank said it
     assert err.count("\n") == 1 and "data-parallel tables ['t_feature_0'] are placed off the device by" in err, err
+    entries = json.loads(plan.read_text())
+    for entry in entries["tables"].values():
+        if entry["sharding_type"] != "data_parallel":
+            entry["tier"] = "cached_dram"
+    (tmp_path / "tiers.json").write_text(json.dumps(entries))
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--plan", str(tmp_path / "tiers.json"),
+                 "--set", "embedding.location.prefetch=true", "--no-pipeline"]) == 2
+    err = capsys.readouterr().err  # the plan's tiers put pieces behind caches: prefetched only by the pipeline
+    assert err.count("\n") == 1 and "prefetch = true in a sharded run needs train.pipeline = true" in err, err
     missing = tmp_path / "day_0.tsv"  # each rank said it, after ~10 s of starting
     assert main(["train", "--config", str(ROOT / "configs" / "criteo.toml"), "--nproc", "2",
                  "--set", f"data.criteo.train_path={missing}"]) == 2
@@ -182,9 +191,11 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     err = capsys.readouterr().err
     assert f"no complete checkpoint in {empty}: it holds no step-N folders (checkpoints are saved only with " \
            "checkpoint.dir set" in err, err
-    assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--nproc", "2"]) == 2
-    err = capsys.readouterr().err  # its cached tables are sharded; their rows cannot be prefetched
-    assert err.count("\n") == 1 and "embedding.location.prefetch = true needs a single-process run" in err, err
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--nproc", "2",
+                 "--no-pipeline"]) == 2
+    err = capsys.readouterr().err  # its cached tables are sharded: their rows are prefetched only by the pipeline
+    assert err.count("\n") == 1 and "embedding.location.prefetch = true in a sharded run needs train.pipeline = true" \
+        in err, err
 
 
 def test_nproc_checks_table_sizes_against_the_plan_and_the_checkpoint_once(tmp_path, capsys, monkeypatch):

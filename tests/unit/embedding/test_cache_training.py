@@ -117,6 +117,55 @@ def test_cached_training_equals_uncached_bit_for_bit(tmp_path, kind, policy, cac
     cached.close()
 
 
+def train_naming_the_next_batch_now(tmp_path, batches, when: str):
+    """Train a cached collection against the uncached one (equal at every step), naming batch
+    i + 1 with ``prefetch(now=True)`` after step i's backward, before it, or never; returns the
+    caches' statistics and the rows loaded by the ``prefetch`` calls themselves."""
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    reference = EmbeddingBagCollection(TABLES, optimizer, init_seed=5)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path / when, 40, "lru"),
+                                          init_seed=5)
+    generator = torch.Generator().manual_seed(1)
+    loaded_by_prefetch = 0
+    for step, kjt in enumerate(batches):
+        expected, got = reference(kjt).values, cached(kjt).values
+        assert torch.equal(expected, got), f"pooled outputs differ at step {step}"
+        grad = torch.randn(expected.shape, generator=generator)
+        (expected * grad).sum().backward()
+        following = batches[step + 1] if step + 1 < len(batches) else None
+        if following is not None and when == "before_backward":
+            cached.prefetch(following, now=True)
+        (got * grad).sum().backward()
+        if following is not None and when == "after_backward":
+            before = sum(s["prefetch_loads"] for s in cached.cache_stats().values())
+            cached.prefetch(following, now=True)
+            for cache in cached.caches.values():
+                cache.wait()
+            loaded_by_prefetch += sum(s["prefetch_loads"] for s in cached.cache_stats().values()) - before
+    assert_same_tables(reference, cached)
+    stats = cached.cache_stats()
+    cached.close()
+    return stats, loaded_by_prefetch
+
+
+def test_prefetch_now_starts_the_next_forwards_loads_at_once(tmp_path):
+    """``prefetch(features, now=True)`` names the NEXT forward's batch (a sharded rank names it
+    from the pipeline's look-ahead exchange, after the backward): its rows load at once, not at the
+    next forward; training stays equal to the uncached collection bit for bit (also when named
+    between a forward and its backward, while the previous batch's rows are pinned), and the
+    loaded rows are hits of the lookup that follows."""
+    batches = make_batches(12)
+    plain, _ = train_naming_the_next_batch_now(tmp_path, batches, "never")
+    after, loaded = train_naming_the_next_batch_now(tmp_path, batches, "after_backward")
+    before, _ = train_naming_the_next_batch_now(tmp_path, batches, "before_backward")
+    assert loaded > 0 and loaded == sum(s["prefetch_loads"] for s in after.values())
+    for stats in (after, before):
+        for name in ("shared", "big", "wide"):
+            assert stats[name]["lookups"] == plain[name]["lookups"]
+            assert stats[name]["prefetch_loads"] > 0 and plain[name]["prefetch_loads"] == 0, name
+            assert stats[name]["hits"] > plain[name]["hits"], name
+
+
 def test_eval_forwards_do_not_dirty_and_interleave_with_training(tmp_path):
     optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
     reference = EmbeddingBagCollection(TABLES, optimizer)
