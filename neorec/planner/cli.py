@@ -170,6 +170,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         result.plan.save(args.out)
         print(f"sharding plan: {args.out}")
+        mixed = result.plan.device_precisions()
+        if len(mixed) > 1:
+            print(f"note: the plan stores tables at {' and '.join(sorted(mixed))}; neorec train holds every table "
+                  f"off the caches at one precision (embedding.storage.precision) and refuses it: for training, "
+                  f"plan with one (--precisions {sorted(mixed)[0]})")
     if args.report:
         _write_report(args.report, report)
         print(f"report: {args.report}")
@@ -283,6 +288,10 @@ def training_topology(world_size: int, ranks_per_node: int, out=None, device: st
 
     from neorec.planner.topology import Topology, default_calibration_path
 
+    if world_size % ranks_per_node:  # (torchrun agents with different --nproc-per-node)
+        raise ValueError(f"--plan auto plans for nodes of equal size, but this rank's node runs {ranks_per_node} of the "
+                         f"{world_size} ranks (LOCAL_WORLD_SIZE): make a plan for this world with `neorec plan "
+                         f"--topology FILE --out plan.json` and pass --plan plan.json")
     if plans_for_gpu(device):
         return gpu_training_topology(world_size, ranks_per_node, out)
 

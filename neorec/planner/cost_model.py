@@ -57,6 +57,11 @@ ID_BYTES = 8          # int64 ids and lengths, as neorec's input_dist sends them
 SECTOR_BYTES = 32     # smallest HBM/DRAM access
 
 
+MAX_ROWS = 2 ** 63 - 1   # ids are int64
+MAX_DIM = 2 ** 16
+MAX_POOLING = 1e6        # ids per sample; a million already makes a table's lookups ~1e9 per batch
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One embedding table as the planner sees it.
@@ -74,13 +79,14 @@ class TableSpec:
     precisions: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
-        for key in ("num_rows", "dim"):
+        for key, most in (("num_rows", MAX_ROWS), ("dim", MAX_DIM)):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"table {self.name!r}: {key} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= most:
+                raise ValueError(f"table {self.name!r}: {key} must be an integer in [1, {most:,}], got {value!r}")
         if (not isinstance(self.pooling, numbers.Real) or isinstance(self.pooling, bool)
-                or not (self.pooling > 0 and math.isfinite(self.pooling))):
-            raise ValueError(f"table {self.name!r}: pooling must be a finite number > 0, got {self.pooling!r}")
+                or not 0 < self.pooling <= MAX_POOLING):  # (beyond: costs overflowed to inf and NaN)
+            raise ValueError(f"table {self.name!r}: pooling must be a number in (0, {MAX_POOLING:,.0f}] ids per "
+                             f"sample, got {self.pooling!r}")
         object.__setattr__(self, "pooling", float(self.pooling))
         for key, allowed in (("sharding_types", [t.value for t in ShardingType]), ("tiers", TIERS),
                              ("precisions", tuple(PRECISION_BYTES))):

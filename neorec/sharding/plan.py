@@ -259,10 +259,26 @@ class ShardingPlan:
         """{table: tier} of the tables planned elsewhere than on the device."""
         return {name: entry.tier for name, entry in self.tables.items() if entry.tier != DEVICE_TIER}
 
+    def device_precisions(self) -> Dict[str, List[str]]:
+        """{precision: tables} of the tables that name one and are not on a cached tier (those
+        whose rows sit in a rank's fused module)."""
+        out: Dict[str, List[str]] = {}
+        for name, entry in self.tables.items():
+            if entry.tier not in CACHED_TIERS and entry.precision is not None:
+                out.setdefault(entry.precision, []).append(name)
+        return out
+
     def check_precision(self, precision: str) -> "ShardingPlan":
         """No table asks for another storage precision than ``precision`` (one rank's fused module
         holds one precision), but those planned on a cached tier: their precision is their store's
         (the cache in front is fp32). Returns self."""
+        mixed = self.device_precisions()
+        if len(mixed) > 1:  # (no embedding.storage.precision would do: the old message said to set it)
+            examples = ", ".join(f"{tables[0]!r} {kind}" for kind, tables in sorted(mixed.items()))
+            raise ValueError(
+                f"sharding plan: its tables off the caches ask for {len(mixed)} precisions ({examples}, ...), but "
+                f"neorec train stores them all at one (embedding.storage.precision): make the plan with one "
+                f"precision (`neorec plan --precisions {precision}`), or drop the tables' precisions from the plan")
         for name, entry in self.tables.items():
             if entry.tier in CACHED_TIERS:
                 continue

@@ -152,17 +152,49 @@ def test_plan_file_keeps_the_tier_that_training_places(tmp_path, capsys):
         plan.validate(tables, 2, tiers=("device",))
 
 
+def test_a_plan_of_two_device_precisions_says_that_training_needs_one(tmp_path, capsys):
+    """With --precisions fp32,fp16 and a device too small for all fp32, the plan stores some
+    tables at fp16: neorec train refused it whatever embedding.storage.precision said, and its
+    message said to set that precision."""
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps({"batch_size": 256, "tables": [
+        {"name": f"t_feature_{i}", "num_rows": rows, "dim": 8, "pooling": 2}
+        for i, rows in enumerate([500, 1000, 2000, 300])]}))
+    topology = tmp_path / "topology.json"
+    topology.write_text(json.dumps({
+        "name": "cpu2", "num_nodes": 1, "ranks_per_node": 2, "device_memory_bytes": 170000.0,
+        "device_bandwidth": 3e9, "host_dram_bytes": 12e9, "host_dram_bandwidth": 3e9, "ssd_bytes": 0,
+        "ssd_bandwidth": 0, "intra_node_bandwidth": 5e8, "inter_node_bandwidth": 5e8, "compute_flops": 5e10,
+        "collective_latency": 5e-4}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp32,fp16",
+                 "--time-limit", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = ShardingPlan.load(out)
+    assert set(plan.device_precisions()) == {"fp16", "fp32"}, plan.device_precisions()
+    assert "note: the plan stores tables at fp16 and fp32; neorec train holds every table off the caches at one " \
+           "precision" in printed, printed
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(ValueError, match=r"its tables off the caches ask for 2 precisions \('t_feature_\d' fp16, "
+                                             rf"'t_feature_\d' fp32, ...\).*--precisions {precision}"):
+            plan.check_precision(precision)
+    assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp16",
+                 "--time-limit", "0", "--out", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert ShardingPlan.load(out).check_precision("fp16")
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"dense_mflops_per_sample": -1e6}, "dense_mflops_per_sample must be a finite number >= 0, got -1000000.0"),
     ({"dense_parameters": -5}, "dense_parameters must be a finite number >= 0, got -5"),
     ({"dense_parameters": None}, "dense_parameters must be a finite number >= 0, got None"),
     ({"dense_mflops_per_sample": "abc"}, "dense_mflops_per_sample must be a finite number >= 0, got 'abc'"),
     ({"batch_size": True}, "batch_size must be a positive integer, got True"),
-    ({"tables": [{"name": "a", "num_rows": True, "dim": 16}]}, r"table #0: table 'a': num_rows must be a positive"),
+    ({"tables": [{"name": "a", "num_rows": True, "dim": 16}]}, r"table #0: table 'a': num_rows must be an integer in"),
     ({"tables": [{"name": "a", "num_rows": 10, "dim": 16, "tiers": "device"}]},
      r"table #0: tiers must be a list of names, got 'device'"),
     ({"tables": [{"name": "a", "num_rows": 10, "dim": 16, "pooling": float("inf")}]},
-     r"table #0: table 'a': pooling must be a finite number > 0, got inf"),
+     r"table #0: table 'a': pooling must be a number in \(0, 1,000,000\] ids per sample, got inf"),
     # a null or list name became a table called "None" or "['x']" in the plan file
     ({"tables": [{"name": None, "num_rows": 10, "dim": 16}]}, r"table #0: name must be a non-empty string, got None"),
     ({"tables": [{"name": ["x"], "num_rows": 10, "dim": 16}]}, r"table #0: name must be a non-empty string, got \['x'\]"),
@@ -353,6 +385,10 @@ def test_plan_auto_on_gpus_plans_for_the_gpu_not_for_a_cpu(monkeypatch, gpu, pre
     assert ("no preset for" in out.getvalue()) == note
     assert training_topology(2, 2, out=out, device="auto").name == topo.name
     assert training_topology(2, 2, out=io.StringIO(), device="cpu").name.startswith("local-cpu")
+    for device in ("cpu", "cuda"):  # torchrun agents of 2 and 1 ranks: planned as 1 node of 2 (world 2)
+        with pytest.raises(ValueError, match="--plan auto plans for nodes of equal size, but this rank's node runs 2 "
+                                             "of the 3 ranks"):
+            training_topology(3, 2, out=io.StringIO(), device=device)
 
 
 def test_plan_auto_on_a_gpu_keeps_memory_for_everything_but_the_tables(monkeypatch, tmp_path):
