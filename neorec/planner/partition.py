@@ -207,6 +207,38 @@ def _tightest(state: _State, options: List[ShardOption]) -> str:
     return best[1] if best else "none found"
 
 
+def _total_memory(options: Dict[str, List[ShardOption]], world: int, capacity: Capacity) -> Tuple[float, str]:
+    """(the largest ratio of need to room, its sentence) over "all tiers" and each tier alone:
+    what every table takes at least (its smallest option: all pieces, buffers included) against
+    what all ranks hold. Above 1 no plan exists; below, packing may still fail near 1."""
+    def footprint(o: ShardOption, tier: Optional[str]) -> float:
+        m = o.memory
+        return (m.device + m.host + m.ssd if tier is None else getattr(m, tier)) * o.num_pieces
+
+    worst: Tuple[float, str] = (0.0, "")
+    for tier, what, room in (("device", "device memory", capacity.device), ("host", "host DRAM", capacity.host),
+                             ("ssd", "SSD", capacity.ssd),  # (a tier alone wins a tie: it says more)
+                             (None, "memory of all tiers", capacity.device + capacity.host + capacity.ssd)):
+        need = sum(min(footprint(o, tier) for o in opts) for opts in options.values())
+        if need <= 0:
+            continue
+        ratio = need / (room * world) if room > 0 else float("inf")
+        if ratio > worst[0]:
+            largest = sorted(options, key=lambda n: -min(footprint(o, tier) for o in options[n]))[:3]
+            worst = (ratio, f"the tables need at least {format_bytes(need)} of {what} in all (each at its smallest "
+                            f"option; the largest: {', '.join(repr(n) for n in largest)}), and the {world} ranks hold "
+                            f"{format_bytes(room * world)} ({ratio * 100:.0f}%)")
+    return worst
+
+
+def _check_total_memory(options: Dict[str, List[ShardOption]], world: int, capacity: Capacity) -> None:
+    """Raise ``InfeasiblePlanError`` when the tables cannot fit in all ranks' memory together,
+    saying by how much (the packings' own failure named one table and its nearest miss)."""
+    ratio, sentence = _total_memory(options, world, capacity)
+    if ratio > 1 + 1e-9:
+        raise InfeasiblePlanError(f"no plan fits: {sentence}: add nodes, or allow another tier or a lower precision")
+
+
 def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,
               time_limit: float = 2.0, max_rounds: int = 10_000,
               bound_steps: int = 60, preference: Optional[Callable[[ShardOption], tuple]] = None) -> PartitionResult:
@@ -215,13 +247,14 @@ def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: C
     search, tables move to their most preferred option that fits, and the search runs again
     among options at least that preferred."""
     world = topo.world_size
+    _check_total_memory(options, world, capacity)
     for goal in GREEDY_GOALS:
         try:
             state, placements = _greedy(options, topo, capacity, goal)
             break
-        except InfeasiblePlanError:
+        except InfeasiblePlanError as exc:
             if goal == GREEDY_GOALS[-1]:
-                raise
+                raise InfeasiblePlanError(f"{exc}; {_total_memory(options, world, capacity)[1]}") from None
     greedy = max(state.load)
     bound = lower_bound(options, world)
     start = time.perf_counter()  # the search's clock: the greedy start and the bound take what they take

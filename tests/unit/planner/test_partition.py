@@ -125,9 +125,12 @@ def test_infeasible_input_names_the_table_and_the_limit():
                                                   r"rank \(3 rows, 8 ranks\); column_wise needs dim 1 to split"):
         plan_tables([TableSpec("tiny", 3, 1, sharding_types=("row_wise", "column_wise"))], toy_topology(1, 8),
                     settings)
-    # each fits alone, not all together: the message names the table that found no room
+    # each fits alone, not all together: the message says by how much (it named one table that
+    # found no room on one rank, as if the cluster were nearly full)
     many = [TableSpec(f"m{i}", 300_000, 8) for i in range(4)]   # 9.6 MB each, 2 ranks x 8.5 MB
-    with pytest.raises(InfeasiblePlanError, match=r"table 'm\d'.*tightest limit"):
+    with pytest.raises(InfeasiblePlanError, match=r"no plan fits: the tables need at least 41.\d\d MiB of device "
+                                                  r"memory in all \(each at its smallest option; the largest: 'm0', "
+                                                  r"'m1', 'm2'\), and the 2 ranks hold 16.\d\d MiB \(254%\)"):
         plan_tables(many, topo, settings)
 
 
@@ -156,7 +159,8 @@ def test_model_f_fits_16_zionex_nodes_with_fp16_rows_dram_and_row_wise_across_no
              if e.sharding_type == ShardingType.ROW_WISE}
     assert len(nodes) > 1
     # and fp32 alone does not fit
-    with pytest.raises(InfeasiblePlanError, match="tightest limit"):
+    with pytest.raises(InfeasiblePlanError, match=r"no plan fits: the tables need at least [\d.]+ TiB of host DRAM in "
+                                                  r"all .*\(1\d\d%\)"):
         plan_tables(preset.tables, topo, PlanSettings(batch_size=512, precisions=("fp32",),
                                                       tiers=("device", "cached_dram", "dram")), time_limit=0.5)
 
@@ -316,9 +320,10 @@ def test_a_table_whose_own_lists_exclude_every_option_is_told_so_directly():
 
 
 def test_tables_that_fit_alone_but_not_together_give_the_limit_in_readable_units():
-    topo = toy_topology(1, 2, device_gb=2e-4)   # 200 kB per rank
-    many = [TableSpec(f"m{i}", 3000, 8) for i in range(8)]   # 96 kB each
-    with pytest.raises(InfeasiblePlanError, match=r"tightest limit: .*would hold [\d.]+ KiB of [\d.]+ KiB") as info:
+    topo = toy_topology(1, 2, device_gb=2e-4)   # 166 KiB per rank for tables
+    many = [TableSpec(f"m{i}", 3000, 8) for i in range(3)]   # 105 KiB each: 95% of the whole, one per rank
+    with pytest.raises(InfeasiblePlanError, match=r"tightest limit: .*would hold [\d.]+ KiB of [\d.]+ KiB; the tables "
+                                                  r"need at least [\d.]+ KiB of device memory in all .* \(95%\)") as info:
         plan_tables(many, topo, PlanSettings(batch_size=1, sharding_types=("table_wise",)))
     assert "0.00 GiB" not in str(info.value)
 
