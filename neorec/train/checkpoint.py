@@ -55,8 +55,8 @@ from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces
 from neorec.train.checkpoint_manifest import (FORMAT, MANIFEST, ResumeChoice, _chain_parts,
                                               _changed_optimizer_settings, _manifest_digest, _read_manifest,
                                               _step_of, _table_shapes, check_resumable, checkpoint_name,
-                                              find_latest_complete, newest_saved_step, no_checkpoint_message,
-                                              verify_checkpoint)
+                                              find_latest_complete, job_identity, newest_saved_step,
+                                              no_checkpoint_message, verify_checkpoint)
 from neorec.train.distributed import all_reduce_sums
 
 
@@ -271,6 +271,7 @@ class Checkpointer:
                 "bytes": {"embeddings": embedding_bytes, "dense": dense_size},
                 "config": trainer.cfg.to_dict(),
                 "runs": [*trainer.ancestor_runs, trainer.run_id],  # whose metrics records lead here
+                "job": job_identity(),  # the torchrun job whose restarts may go on from it
             }
             if kind != "full":  # the bases it is saved on, by their manifests' digests
                 manifest["bases"] = {name: _read_manifest(path.parent / name).get("manifest_sha256")

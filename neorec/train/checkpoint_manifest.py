@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,26 @@ def newest_saved_step(root: Path) -> Optional[int]:
     return max(steps) if steps else None
 
 
+def job_identity() -> Optional[str]:
+    """What the workers of one torchrun job share across its restarts and no other job has: its
+    rendezvous id (``--rdzv-id``; ``--standalone`` draws one), or, with the default id "none" on
+    one node, its agent process (the workers' parent: pid and start time). None outside torchrun,
+    and for a multi-node job with the default id (its nodes' agents differ)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    if run_id and run_id != "none":
+        return f"rdzv:{run_id}"
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return None
+    agent = os.getppid()
+    try:  # field 22, the start time: a pid alone may be reused
+        start = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"agent:{socket.gethostname()}:{agent}:{start}"
+
+
 @dataclass
 class ResumeChoice:
     """Where a run resumes from (``choose_resume``): ``location`` (None: it starts fresh), the
@@ -142,13 +163,21 @@ class ResumeChoice:
 def choose_resume(cfg: CheckpointConfig, resume: Optional[str]) -> ResumeChoice:
     """``resume``, or, for a worker restarted by torchrun with ``auto_resume``, the newest complete
     checkpoint of ``checkpoint.dir`` (where this run saved before the restart; ``resume`` only when
-    it holds none). Decided before the model is built: a run that resumes draws no initial rows."""
+    it holds none). Only one this job saved (its manifest's ``job``, ``job_identity``): a first
+    attempt refused beside another run's checkpoints, or rewinding past its own, made torchrun
+    restart it, and the restart went on from those. Decided before the model is built: a run that
+    resumes draws no initial rows."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     root = Path(cfg.dir) if cfg.dir else None
     if not (cfg.auto_resume and restarted and root is not None):
         return ResumeChoice(resume)
     skipped = io.StringIO()  # newer torn or corrupt checkpoints, said by the trainer's rank 0
     found = find_latest_complete(root, out=skipped)
+    job = job_identity()
+    if found is not None and job is not None and found[1].get("job") != job:
+        # another job's: the first attempt refused them (or resumed --resume); a restart does the same
+        return ResumeChoice(resume, None, f"checkpoint: restarted by torchrun, but the newest checkpoint in {root} "
+                                          f"({found[0].name}) was not saved by this job: not resuming it\n")
     if found is not None:
         said = skipped.getvalue()
         if resume is not None and Path(resume).resolve() != root.resolve():

@@ -84,3 +84,53 @@ def test_a_run_started_with_resume_comes_back_from_its_own_checkpoints_after_a_r
     reference = make_trainer(tmp_path, "train.max_steps=6", name="reference")
     reference.fit()
     assert_identical(snapshot(reference), snapshot(restarted))
+
+
+def test_a_restart_goes_on_only_from_checkpoints_its_own_job_saved(tmp_path, monkeypatch):
+    """A first attempt refused beside another run's checkpoints (or rewinding past its own run's
+    future) exits non-zero; torchrun restarted it, and the restart resumed the newest checkpoint
+    there as its own: the other run's weights, trained on, exit 0. Checkpoints now record their
+    torchrun job; a restart of another job behaves as its first attempt did."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2)).fit()
+    saved = checkpoint_names(tmp_path / "ckpt")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    for attempt in ("0", "1"):  # a fresh run of another job, then its restart
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        other = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name=f"b{attempt}")
+        with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+            other.fit()
+        assert "resumed" not in other.out.getvalue() and checkpoint_names(tmp_path / "ckpt") == saved
+    assert "step-000000004) was not saved by this job: not resuming it" in other.out.getvalue()
+    rewind = str(tmp_path / "ckpt" / "step-000000002")
+    for attempt in ("0", "1"):  # job c rewinds job a's run to step 2: refused, restarted or not
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-c")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        again = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), resume=rewind,
+                             name=f"c{attempt}")
+        with pytest.raises(ValueError, match="already holds checkpoints after step 2, the one resumed from"):
+            again.fit()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")  # job a's own restart goes on from its step 4
+    restarted = make_trainer(tmp_path, "train.max_steps=6", *checkpoint_args(tmp_path, 2), name="a1")
+    assert restarted.fit().samples == 2 * 128 and restarted.step == 6
+    assert f"resumed from {tmp_path / 'ckpt' / 'step-000000004'}" in restarted.out.getvalue()
+
+
+def test_job_identity_is_the_rendezvous_id_or_the_single_nodes_agent(monkeypatch):
+    import os
+
+    from neorec.train.checkpoint_manifest import job_identity
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert job_identity() is None  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert job_identity() == "rdzv:job-7"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id: the same for every job
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    agent = job_identity()
+    assert agent is not None and agent.startswith("agent:") and f":{os.getppid()}:" in agent
+    assert job_identity() == agent
+    monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes: their agents differ, so nothing tells the job
+    assert job_identity() is None
