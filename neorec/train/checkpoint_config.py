@@ -22,7 +22,7 @@ class CheckpointConfig:
         quantization); optimizer state and dense weights stay fp32.
     keep_last: keep the newest N complete checkpoints (and the full ones their increments need).
     auto_resume: a worker restarted by ``torchrun --max-restarts`` resumes from the newest
-        complete checkpoint in ``dir``.
+        complete checkpoint in ``dir`` when its own torchrun job saved it.
     """
 
     dir: str = ""
