@@ -8,6 +8,7 @@ weights identical to an uninterrupted run (fp32; full and incremental checkpoint
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -109,10 +110,21 @@ def test_sigkill_a_rank_then_resume_equals_uninterrupted(tmp_path, reference):
     assert_same_final_state(reference, tmp_path / "job")
 
 
-def test_torchrun_restart_resumes_by_itself(tmp_path, reference):
+@pytest.mark.parametrize("rendezvous", ["standalone", "default"])
+def test_torchrun_restart_resumes_by_itself(tmp_path, reference, rendezvous):
     # torchrun restarts both workers after the kill; they join a fresh attempt (their own key prefix in
-    # the agent's store) and continue from the newest complete checkpoint (checkpoint.auto_resume)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    # the agent's store) and continue from the newest complete checkpoint (checkpoint.auto_resume),
+    # which their job saved: --standalone draws a rendezvous id; by default it is "none" for every job
+    # and the job is the agent process
+    import socket
+
+    if rendezvous == "standalone":
+        how = ["--standalone"]
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            how = ["--master-addr", "127.0.0.1", "--master-port", str(probe.getsockname()[1])]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *how, "--nproc-per-node", "2",
                 "--max-restarts", "2", "-m", "neorec"]
     job = subprocess.Popen(torchrun + train_args(tmp_path / "job"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -121,3 +133,6 @@ def test_torchrun_restart_resumes_by_itself(tmp_path, reference):
     assert job.returncode == 0, stderr[-3000:]
     assert "checkpoint: resumed from" in stdout, stdout[-3000:]
     assert_same_final_state(reference, tmp_path / "job")
+    job_of = {p.name: json.loads((p / "manifest.json").read_text())["job"] for p in (tmp_path / "job").glob("step-*")}
+    prefix = "rdzv:" if rendezvous == "standalone" else "agent:"
+    assert len(set(job_of.values())) == 1 and next(iter(job_of.values())).startswith(prefix), job_of
