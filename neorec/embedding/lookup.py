@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from neorec.embedding.layout import DimGroup, TableLayout
+from neorec.embedding.path_common import check_weights_need_no_grad
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 BATCH_MAJOR_MAX_POOLING = 2.0
@@ -129,9 +130,7 @@ def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: to
     features = select_features(layout, features)
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
-    if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
-        raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
-                         "differentiate with respect to per-value weights; pass weights.detach()")
+    check_weights_need_no_grad(features)
     value_starts = features.offset_per_key()
     if value_starts[-1] != features.values.numel():  # (a KeyedJaggedTensor built with validate=False)
         raise ValueError(f"KeyedJaggedTensor: its lengths sum to {value_starts[-1]} but it holds "

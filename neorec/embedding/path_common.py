@@ -24,10 +24,16 @@ def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], dev
         features = features.permute([keys.index(k) for k in feature_names])
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
+    check_weights_need_no_grad(features)
+    return features
+
+
+def check_weights_need_no_grad(features: KeyedJaggedTensor) -> None:
+    """Refuse per-value weights that require grad while grad is enabled: no lookup path (fused,
+    sharded) differentiates with respect to them, and their gradient would silently stay None."""
     if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
         raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
                          "differentiate with respect to per-value weights; pass weights.detach()")
-    return features
 
 
 _SAVED = object()  # marks an input kept by save_for_backward

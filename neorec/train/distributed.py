@@ -266,16 +266,16 @@ def all_reduce_sums(values: List[float], group: Any, device: torch.device) -> Li
 
 
 def broadcast_text(text: Optional[str], group: Any, device: torch.device, src: int = 0) -> str:
-    """Rank ``src``'s ``text`` (UTF-8, any length) on every rank; the others pass None. Plain
+    """Rank ``src`` (of ``group``)'s ``text`` (UTF-8, any length) on every rank; the others pass None. Plain
     bytes in a tensor, never a pickle."""
     rank = dist.get_rank(group)
     data = (text or "").encode() if rank == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
+    dist.broadcast(size, group_src=src, group=group)  # (src= is a global rank: wrong on a subgroup)
     buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
     if rank == src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src=src, group=group)
+    dist.broadcast(buf, group_src=src, group=group)
     return bytes(buf.cpu().numpy()).decode()
 
 

@@ -51,6 +51,13 @@ def test_eval_predictions_are_gathered_on_rank_0_alone(tmp_path):
     assert results == [[0.0, 1.0, 20.0, 21.0, 22.0, 23.0], None, None]
 
 
+def test_text_is_broadcast_from_a_subgroups_first_rank(tmp_path):
+    """``broadcast_text`` took its ``src`` (a rank of the group) for a global rank: on a group
+    whose first rank is not global rank 0 every rank failed."""
+    assert run_ranks(workers.broadcast_on_subgroup, 3, tmp_path) == [None, "from global rank 1",
+                                                                     "from global rank 1"]
+
+
 def test_two_ranks_on_one_gpu_are_refused_on_every_rank(tmp_path):
     """One GPU visible per rank was taken for "a launcher gave each rank its own", but a
     CUDA_VISIBLE_DEVICES set for the whole node shows every rank the same one: NCCL failed with

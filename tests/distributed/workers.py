@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import traceback
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,6 +173,19 @@ def gather_on_main(rank: int, world: int, group):
     local = torch.arange(rank + 2, dtype=torch.float32) + 10 * rank if rank != 1 else torch.zeros(0)
     gathered = gather_to_main(local, group)
     return None if gathered is None else gathered.tolist()
+
+
+def broadcast_on_subgroup(rank: int, world: int, group) -> Optional[str]:
+    """``broadcast_text`` from the first rank of the subgroup [1, 2] (its group rank 0, global rank
+    1); what each rank receives (None outside the subgroup)."""
+    import torch.distributed as dist
+
+    from neorec.train.distributed import broadcast_text
+
+    subgroup = dist.new_group([1, 2])  # (every rank takes part in creating it)
+    if rank not in (1, 2):
+        return None
+    return broadcast_text("from global rank 1" if rank == 1 else None, subgroup, torch.device("cpu"))
 
 
 def distinct_gpus(rank: int, world: int, group, uuids) -> str:

@@ -242,6 +242,25 @@ def test_ids_of_every_feature_are_checked_before_the_exchange_is_launched(featur
         input_dist_module.input_dist(routing, 0, kjt, None)
 
 
+def test_weights_that_require_grad_are_refused_before_the_exchange(monkeypatch):
+    """The sharded lookup sent them through the all-to-all, which detached them: the tables
+    trained and their gradient silently stayed None (the unsharded lookup refuses them)."""
+    import neorec.sharding.input_dist as input_dist_module
+    from neorec.sparse import KeyedJaggedTensor
+
+    def no_exchange(*args, **kwargs):
+        raise AssertionError("an exchange was launched")
+
+    monkeypatch.setattr(input_dist_module, "all_to_all", no_exchange)
+    keys = ["fa1", "fa2", "fb", "fc"]
+    kjt = KeyedJaggedTensor(keys, torch.tensor([1, 2, 3, 1]), torch.ones(4, dtype=torch.int64),
+                            weights=torch.ones(4, requires_grad=True))
+    with pytest.raises(ValueError, match="weights require grad, but the fused embedding lookup does not"):
+        input_dist_module.input_dist(Routing(TABLES, good_plan(), 4), 0, kjt, None)
+    with torch.no_grad(), pytest.raises(AssertionError, match="an exchange was launched"):  # (evaluation: allowed)
+        input_dist_module.input_dist(Routing(TABLES, good_plan(), 4), 0, kjt, None)
+
+
 def test_a_cached_tier_takes_the_plans_precision_into_its_store():
     """`neorec plan --tiers cached_dram --precisions fp16` wrote tables (cached_dram, fp16) that no
     setting could train: the plan's fp16 was compared with the fused module's precision (fp32, which
