@@ -135,7 +135,12 @@ class Checkpointer:
         self._refuse_other_runs(position.step)
         if self.root is None:  # --resume reads a checkpoint; only checkpoint.dir makes a run save them
             location = Path(choice.location)
-            root = location.parent if _step_of(location) is not None else location
+            if _step_of(location) is not None:
+                root = str(location.parent)
+            elif (location / MANIFEST).exists():  # a checkpoint copied under a name of its own
+                root = "DIR"  # (itself would put the new step-N folders inside it)
+            else:
+                root = str(location)
             self._say(f"this run saves no checkpoints (checkpoint.dir is empty); to save as it goes: "
                       f"--set checkpoint.dir='\"{root}\"' --set checkpoint.every_steps=N")
         if position.batch_in_epoch >= steps_per_epoch:
@@ -152,6 +157,9 @@ class Checkpointer:
         root = self.root
         if root is None or not root.is_dir() or not (self.cfg.every_steps or self.cfg.save_final):
             return
+        if (root / MANIFEST).exists():
+            raise ValueError(f"checkpoint.dir {root} is a checkpoint itself (it holds {MANIFEST}): this run would "
+                             f"save its step-N folders inside it; set checkpoint.dir to a folder of its own")
         resumed_here = resumed_step is not None and self.resumed_from is not None and (
             self.resumed_from.parent.resolve() == root.resolve())
         after = resumed_step if resumed_here else -1

@@ -81,9 +81,10 @@ def _chain_parts(path: Path, manifest: dict) -> List[Tuple[str, Path, dict]]:
     return parts
 
 
-def verify_checkpoint(path: Path) -> dict:
+def verify_checkpoint(path: Path, checksums: bool = True) -> dict:
     """The manifest of the checkpoint at ``path`` after checking it and every checkpoint of its
-    chain (every file present, same size, same sha256); ValueError saying what is wrong."""
+    chain (every file present, same size, same sha256: ``checksums=False`` skips the hashing, for
+    a quick look); ValueError saying what is wrong."""
     path = Path(path)
     manifest = _read_manifest(path)
     for name, directory, part in _chain_parts(path, manifest):
@@ -94,7 +95,7 @@ def verify_checkpoint(path: Path) -> dict:
             if target.stat().st_size != info["bytes"]:
                 raise ValueError(f"{name}/{file} has {target.stat().st_size} bytes, the manifest says "
                                  f"{info['bytes']} (truncated or torn)")
-            if sha256_file(target) != info["sha256"]:
+            if checksums and sha256_file(target) != info["sha256"]:
                 raise ValueError(f"{name}/{file} fails its sha256 checksum (corrupt)")
     return manifest
 
@@ -248,16 +249,18 @@ def check_resumable(manifest: dict, path: Path, cfg, source, world_size: int) ->
 
 def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> None:
     """What every rank of a ``--nproc`` run would refuse alike about ``--resume location``, said
-    once by the launcher (``check_resumable`` on the checkpoint the ranks will take). Reads manifests
-    only: the ranks verify the files' checksums, and say it if a checkpoint is torn or corrupt."""
+    once by the launcher (``check_resumable`` on the checkpoint the ranks will take). Checks files'
+    presence and sizes, not their checksums (the ranks verify those, and say it if a checkpoint is
+    corrupt): a torn newest checkpoint is skipped here as the ranks skip it (it was checked in
+    their place, and its refusal's hint led to a batch size the ranks then refused)."""
     location = Path(location)
     if not location.is_dir():
         return  # (the ranks say what is wrong with it)
     named = _step_of(location) is not None or (location / MANIFEST).exists()
     for path in [location] if named else _newest_first(location):
         try:
-            manifest = _read_manifest(path)
-        except ValueError:
+            manifest = verify_checkpoint(path, checksums=False)
+        except (ValueError, KeyError, TypeError, OSError):
             continue  # torn or corrupt: the ranks report it and take an older one (or stop)
         check_resumable(manifest, path, cfg, source, world_size)
         return

@@ -92,6 +92,27 @@ def test_resume_at_epoch_end_and_after_the_end(tmp_path):
     assert "saves no checkpoints" not in resumed.out.getvalue()
 
 
+def test_a_checkpoint_copied_under_a_name_is_never_made_a_checkpoint_dir(tmp_path):
+    """Resumed from a full checkpoint copied to "best", the run's hint named "best" itself as a
+    checkpoint.dir; following it put step-N folders inside the checkpoint, and the next
+    --resume best was refused with advice to run the very command refused."""
+    import shutil
+
+    make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 4)).fit()
+    best = tmp_path / "best"
+    shutil.copytree(tmp_path / "ckpt" / "step-000000004", best)
+    again = make_trainer(tmp_path, "train.max_steps=6", resume=str(best), name="again")
+    again.fit()
+    said = again.out.getvalue()
+    assert "resumed from" in said and again.step == 6
+    assert "to save as it goes: --set checkpoint.dir='\"DIR\"' --set checkpoint.every_steps=N" in said, said
+    inside = make_trainer(tmp_path, "train.max_steps=6", f"checkpoint.dir='{best}'", "checkpoint.every_steps=2",
+                          resume=str(best), name="inside")
+    with pytest.raises(ValueError, match=f"checkpoint.dir {best} is a checkpoint itself"):
+        inside.fit()
+    assert sorted(p.name for p in best.iterdir() if p.is_dir()) == []
+
+
 def test_resumed_run_continues_the_metrics_log(tmp_path):
     # checkpoints at steps 4 and 8; the "crashed" run logs up to step 10, so steps 9-10 are trained again
     log_args = ["train.log_every_steps=2", "checkpoint.save_final=false", *checkpoint_args(tmp_path, 4)]

@@ -134,3 +134,21 @@ def test_job_identity_is_the_rendezvous_id_or_the_single_nodes_agent(monkeypatch
     assert job_identity() == agent
     monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes: their agents differ, so nothing tells the job
     assert job_identity() is None
+
+
+def test_the_launcher_checks_the_checkpoint_the_ranks_will_take(tmp_path):
+    """A torn newest checkpoint: the --nproc launcher checked it anyway (its manifest parses) and
+    refused a resume the ranks would have made from the one before it, with a batch-size hint
+    the ranks then refused against that one. It now skips what is missing or truncated, as the
+    ranks do (checksums stay theirs: the launcher hashes nothing)."""
+    from neorec.train.checkpoint_manifest import check_resume_before_launch
+
+    first = make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 1))
+    first.fit()  # 128 samples a step: steps 2 and 3 done, 256 and 384 samples of the epoch
+    cfg, source = first.cfg, first.source
+    with pytest.raises(ValueError, match="384 samples of epoch 0"):  # 384 is no whole number of 2 x 128
+        check_resume_before_launch(tmp_path / "ckpt", cfg, source, 2)
+    (tmp_path / "ckpt" / "step-000000003" / "dense.pt").write_bytes(b"torn")
+    check_resume_before_launch(tmp_path / "ckpt", cfg, source, 2)  # the ranks take step 2: 256 samples
+    with pytest.raises(ValueError, match="256 samples of epoch 0"):
+        check_resume_before_launch(tmp_path / "ckpt", cfg, source, 3)
