@@ -100,10 +100,14 @@ def test_plan_auto_plans_each_table_where_the_config_puts_it(monkeypatch, tmp_pa
     topo = training_topology(2, 2)
     assert topo.name == "local-cpu-nominal" and (topo.device_memory_bytes, topo.host_dram_bytes) == (4e9, 8e9)
 
-    # 600 KB of memory: 150 KB of device memory per rank, too little for the four tables with their
-    # optimizer state and the planner's per-rank allowances, enough with two of them cached
-    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 600e3)
-    base = [f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'", "embedding.location.precision='fp16'"]
+    # 2 MB of memory: 500 KB of device memory per rank, too little for the four tables with their
+    # optimizer state and the planner's per-rank allowances, enough with the two large ones cached
+    # (a cache holds what a batch of 1,024 ids a table touches, ~1,000 of 20,000 or 40,000 rows: its
+    # caches grow to that in training; at tiny.toml's 1,000 and 2,000 rows a batch touches most rows,
+    # and caching them saves no device memory at all)
+    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 2e6)
+    base = [f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'", "embedding.location.precision='fp16'",
+            "data.synthetic.num_embeddings=[500, 20000, 40000, 300]"]
     cfg = load_config(str(TINY), base)
     source = make_data_source(cfg.data)
     with pytest.raises(InfeasiblePlanError, match=r"(does not fit|fits no rank|no plan fits).*--plan auto plans each table where "
@@ -117,8 +121,8 @@ def test_plan_auto_plans_each_table_where_the_config_puts_it(monkeypatch, tmp_pa
     assert {name: entry.precision for name, entry in plan.tables.items()} == {
         "t_feature_0": "fp32", "t_feature_1": "fp16", "t_feature_2": "fp16", "t_feature_3": "fp32"}
     plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), 2)
-    # caches of cache_rows rows each (here whole tables), not cache_fraction's, are what training builds
-    cfg = load_config(str(TINY), [*base, "embedding.location.default='cached_dram'", "embedding.location.cache_rows=2000"])
+    # caches of cache_rows rows each, not cache_fraction's, are what training builds
+    cfg = load_config(str(TINY), [*base, "embedding.location.default='cached_dram'", "embedding.location.cache_rows=20000"])
     with pytest.raises(InfeasiblePlanError, match="--plan auto plans each table where"):
         plan_for_training(cfg, source, 2, 2)
 

@@ -4,6 +4,7 @@
 """
 
 import pytest
+import torch
 
 from neorec.planner.cost_model import (PlanSettings, TableSpec, allreduce_seconds, alltoall_seconds,
                                        piece_cost)
@@ -98,6 +99,36 @@ def test_cached_tier_memory_is_what_training_allocates(dim, precision, policy, o
     buffers = 2 * (1 * 8 + 1 * 8 + dim * 4)
     assert planned.device == slots + metadata + buffers
     assert planned.host == cache.store.records.numel()  # the store's bytes, record for record
+    collection.close()
+
+
+@pytest.mark.filterwarnings("ignore:cache of table .* growing it:RuntimeWarning")
+def test_a_cache_is_planned_at_the_size_a_batch_grows_it_to():
+    """The planner counted a cache at cache_fraction of the rows; a batch needing more distinct
+    rows grows it in training (1.25 x those rows), so device memory ran past the plan (tiny.toml's
+    tables: 128 slots planned, 448 in training). Uniform ids: the planned size is what one batch
+    grows the cache to."""
+    from neorec.embedding import SparseOptimizerConfig, TableConfig
+    from neorec.embedding.cached import CachedEmbeddingBagCollection
+    from neorec.embedding.locations import TableLocation
+    from neorec.sparse import KeyedJaggedTensor
+
+    rows, dim, batch, pooling = 2000, 8, 256, 4
+    settings = PlanSettings(batch_size=batch, optimizer="sgd", cache_fraction=0.05, cache_ways=8)
+    _, planned = piece_cost(TableSpec("t", rows, dim, pooling=pooling), ShardingType.TABLE_WISE, 1, "cached_dram",
+                            "fp32", toy_topology(1, 1), settings)
+    per_slot = dim * 4 + 33
+    buffers = 2 * ((batch * pooling + batch) * 8 + batch * dim * 4)
+    planned_slots = (planned.device - buffers) / per_slot
+    assert planned_slots == 1008  # 2000 x (1 - (1 - 1/2000)^1024) = 801 distinct rows, x 1.25, whole sets
+    collection = CachedEmbeddingBagCollection([TableConfig("t", rows, dim)], SparseOptimizerConfig("sgd", 0.1),
+                                              locations={"t": TableLocation("cached_dram", cache_fraction=0.05, ways=8)})
+    assert collection.caches["t"].num_slots == 104  # what the planner used to count
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, rows, (batch * pooling,), generator=generator)
+    collection(KeyedJaggedTensor(["t"], ids, torch.full((batch,), pooling))).values.sum().backward()
+    grown = collection.caches["t"].num_slots
+    assert abs(grown - planned_slots) <= 0.05 * planned_slots, (grown, planned_slots)
     collection.close()
 
 
