@@ -154,11 +154,11 @@ def calibrate(num_ranks: int = 2, out: Optional[str | Path] = None, progress=pri
     topo = Topology(
         name="local-cpu", num_nodes=1, ranks_per_node=num_ranks,
         device_memory_bytes=memory / num_ranks / 2,   # half of a rank's share of the memory for its tables
-        device_bandwidth=lookup, host_dram_bytes=memory / 2, host_dram_bandwidth=lookup,
+        device_bandwidth=lookup, host_dram_bytes=0.0, host_dram_bandwidth=lookup,  # (the same memory)
         ssd_bytes=0.0, ssd_bandwidth=0.0,
         intra_node_bandwidth=comm["bandwidth"], inter_node_bandwidth=comm["bandwidth"],
         compute_flops=flops, collective_latency=comm["latency"], lookup_call_seconds=overheads["call"],
-        seconds_per_id=overheads["per_id"])
+        seconds_per_id=overheads["per_id"], unified_memory=1)
     path = Path(out) if out else default_calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     topo.save(path)

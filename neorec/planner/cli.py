@@ -301,8 +301,8 @@ def training_topology(world_size: int, ranks_per_node: int, out=None, device: st
 
         memory = host_memory_bytes()  # shared as a calibration shares it: half of a rank's share for its tables
         return Topology("local-cpu-nominal", world_size // ranks_per_node, ranks_per_node, memory / ranks_per_node / 2,
-                        3e9, memory / 2, 3e9, 0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6)
-    calibrated = Topology.load(path)
+                        3e9, 0.0, 3e9, 0.0, 0.0, 0.5e9, 0.5e9, 50e9, 500e-6, unified_memory=1)
+    calibrated = dataclasses.replace(Topology.load(path), unified_memory=1)
     topo = calibrated.with_world(world_size, ranks_per_node)
     measured = int(calibrated.ranks_per_node)
     if measured != ranks_per_node:

@@ -351,6 +351,8 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
         memory.device, memory.host = cached, stored
     else:
         memory.device, memory.ssd = cached, stored
+    if topo.unified_memory:  # a CPU rank: its "device" is the host memory the host tiers use
+        memory.device, memory.host = memory.device + memory.host, 0.0
     if kind == ShardingType.DATA_PARALLEL:
         memory.device += grad_bytes  # the gradient buffer all-reduced every step, kept between steps
     else:

@@ -55,8 +55,8 @@ class Capacity:
     @classmethod
     def of(cls, topo: Topology, settings: PlanSettings) -> "Capacity":
         per_node = topo.ranks_per_node
-        return cls(topo.device_memory_bytes * (1 - settings.device_reserve_fraction),
-                   topo.host_dram_bytes / per_node, topo.ssd_bytes / per_node)
+        host = 0.0 if topo.unified_memory else topo.host_dram_bytes / per_node  # (piece_cost counts it as device)
+        return cls(topo.device_memory_bytes * (1 - settings.device_reserve_fraction), host, topo.ssd_bytes / per_node)
 
     def shortfall(self, memory: Memory) -> Tuple[float, str]:
         """(need / capacity of the fullest tier, that tier's description)."""

@@ -39,6 +39,9 @@ class Topology:
     lookup_call_seconds: fixed seconds per step of a rank's fused lookup (forward + backward
         call overheads); seconds_per_id: per looked-up id (id checks, sort, dedup). Both come from
         calibration (``local-cpu``); 0 for the GPU presets (not modelled there).
+    unified_memory: 1 when a rank's device memory IS host memory (a CPU rank): the host DRAM tiers
+        ("dram", a cached_dram store) then draw on ``device_memory_bytes`` too, and
+        ``host_dram_bytes`` is not used (counted apart, the same memory was counted twice); 0 else.
     """
 
     name: str
@@ -56,6 +59,7 @@ class Topology:
     collective_latency: float = 20e-6
     lookup_call_seconds: float = 0.0
     seconds_per_id: float = 0.0
+    unified_memory: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -67,10 +71,12 @@ class Topology:
             if not math.isfinite(value):
                 raise ValueError(f"topology {self.name!r}: {f.name} must be a finite number, got {value}")
             positive = f.name not in ("ssd_bytes", "ssd_bandwidth", "host_dram_bytes", "collective_latency",
-                                      "lookup_call_seconds", "seconds_per_id")
+                                      "lookup_call_seconds", "seconds_per_id", "unified_memory")
             if value < 0 or (positive and value == 0):
                 raise ValueError(f"topology {self.name!r}: {f.name} must be {'> 0' if positive else '>= 0'}, "
                                  f"got {value}")
+        if self.unified_memory not in (0, 1):
+            raise ValueError(f"topology {self.name!r}: unified_memory must be 0 or 1, got {self.unified_memory}")
         if int(self.num_nodes) != self.num_nodes or int(self.ranks_per_node) != self.ranks_per_node:
             raise ValueError(f"topology {self.name!r}: num_nodes and ranks_per_node must be integers")
 
@@ -178,7 +184,7 @@ def local_cpu(num_ranks: Optional[int] = None, path: Optional[str | Path] = None
     if not p.is_file():
         raise ValueError(f"topology 'local-cpu' is not calibrated yet ({p} does not exist); run "
                          f"`python -m neorec plan --calibrate` first (takes under a minute)")
-    topo = Topology.load(p)
+    topo = dataclasses.replace(Topology.load(p), unified_memory=1)  # (calibrations before the key have none)
     return topo.with_world(num_ranks) if num_ranks else topo
 
 

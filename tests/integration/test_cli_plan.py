@@ -3,6 +3,7 @@
     python -m pytest tests/integration/test_cli_plan.py -q
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -98,14 +99,16 @@ def test_plan_auto_plans_each_table_where_the_config_puts_it(monkeypatch, tmp_pa
     monkeypatch.setenv("NEOREC_CALIBRATION", str(tmp_path / "none.json"))  # nominal CPU numbers
     monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 16e9)
     topo = training_topology(2, 2)
-    assert topo.name == "local-cpu-nominal" and (topo.device_memory_bytes, topo.host_dram_bytes) == (4e9, 8e9)
+    assert topo.name == "local-cpu-nominal" and (topo.device_memory_bytes, topo.host_dram_bytes) == (4e9, 0.0)
+    assert topo.unified_memory == 1  # the host tiers draw on the device's memory: the same RAM
 
-    # 2 MB of memory: 500 KB of device memory per rank, too little for the four tables with their
+    # 3 MB of memory: 750 KB per rank for tables, too little for the four tables with their
     # optimizer state and the planner's per-rank allowances, enough with the two large ones cached
     # (a cache holds what a batch of 1,024 ids a table touches, ~1,000 of 20,000 or 40,000 rows: its
     # caches grow to that in training; at tiny.toml's 1,000 and 2,000 rows a batch touches most rows,
-    # and caching them saves no device memory at all)
-    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 2e6)
+    # and caching them saves no device memory at all); on the CPU a cached_dram table's store takes
+    # the same memory (fp16 rows: half), a cached_ssd table's takes disk
+    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 3e6)
     base = [f"embedding.location.ssd_dir='{tmp_path / 'ssd'}'", "embedding.location.precision='fp16'",
             "data.synthetic.num_embeddings=[500, 20000, 40000, 300]"]
     cfg = load_config(str(TINY), base)
@@ -315,7 +318,9 @@ def test_plan_auto_with_a_calibration_for_other_ranks_keeps_the_machines_memory(
     assert "made for 2 ranks per node, this run has 8" in out.getvalue()
     assert "--calibrate-ranks 8" in out.getvalue()
     out = io.StringIO()
-    assert training_topology(2, 2, out=out) == calibrated and out.getvalue() == ""
+    # (a calibration made before unified_memory was written counts the host tiers on the device too)
+    assert training_topology(2, 2, out=out) == dataclasses.replace(calibrated, unified_memory=1)
+    assert out.getvalue() == ""
 
 
 def test_chart_without_matplotlib_is_refused_before_the_search(tmp_path, monkeypatch, capsys):

@@ -311,3 +311,27 @@ def test_calibration_timings_leave_out_what_runs_before_each_call():
                                                                                     time.sleep(0.05)))
     assert calls == ["fn", "before", "fn", "before", "fn", "before", "fn"]
     assert seconds < 0.01
+
+
+def test_a_cpu_topology_counts_the_host_tiers_in_the_same_memory():
+    """On a CPU the device tier and host DRAM are one memory: a calibration gave tables half of it
+    as "device" and the other half as "host DRAM", and plans of both tiers took ~90% of the RAM.
+    With unified_memory a host tier's bytes count against the device's."""
+    import dataclasses
+
+    from neorec.planner.enumerate import Capacity, InfeasiblePlanError
+    from neorec.planner.planner import plan_tables
+
+    split = Topology("cpu", 1, 2, 1e6, 3e9, 2e6, 3e9, 0.0, 0.0, 5e8, 5e8, 5e10, 5e-4)
+    cpu = dataclasses.replace(split, unified_memory=1)
+    settings = PlanSettings(batch_size=1, tiers=("device", "dram"), optimizer="sgd")
+    _, memory = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "dram", "fp32", cpu, settings)
+    _, apart = piece_cost(TABLE, ShardingType.TABLE_WISE, 1, "dram", "fp32", split, settings)
+    assert memory.host == 0 and memory.device == apart.device + apart.host
+    assert Capacity.of(cpu, settings).host == 0 and Capacity.of(split, settings).host == 1e6
+    tables = [TableSpec(f"t{i}", 2000, 64) for i in range(6)]  # 512 KB each at fp32: 3 MB, 2 MB of "device"
+    assert plan_tables(tables, split, settings, time_limit=0).plan is not None  # counted twice: fits
+    with pytest.raises(InfeasiblePlanError, match=r"no plan fits: the tables need at least 2.94 MiB of device memory in all .* \(181%\)"):
+        plan_tables(tables, cpu, settings, time_limit=0)
+    with pytest.raises(ValueError, match="unified_memory must be 0 or 1"):
+        dataclasses.replace(split, unified_memory=2)
