@@ -231,6 +231,7 @@ class Checkpointer:
 
     def _save(self) -> Path:
         trainer, step = self.trainer, self.trainer.step
+        trainer.check_weights_finite()  # (a checkpoint of diverged weights was saved as complete)
         kind = self._choose_kind()
         path = self.root / checkpoint_name(step)
         path.mkdir(parents=True, exist_ok=True)

@@ -254,6 +254,17 @@ class Trainer:
                 f"(lower the learning rates, check the input features for NaN/inf)"
             )
 
+    def check_weights_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` when a dense weight is NaN or infinite: the last update
+        diverged. The loss check sees that only at the next step, and the last step has none: its
+        checkpoint was saved as complete and the run ended with exit 0. Called before each
+        checkpoint and after the last step (the dense weights are the same on every rank)."""
+        for name, parameter in self.model.named_parameters():
+            if not bool(torch.isfinite(parameter).all()):
+                raise NonFiniteLossError(
+                    f"dense weight {name.removeprefix('module.')} is not finite after step {self.step}: the update "
+                    f"diverged; stopping without saving it (lower the learning rates)")
+
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
         """NE, AUC, calibration and log loss over the eval set (or its first ``max_batches``)."""
@@ -275,8 +286,10 @@ class Trainer:
             batch = batch.to(self.device)
             acc.update(self.model(batch.dense, batch.sparse), batch.labels)
         self.model.train()
+        nan = int(torch.isnan(acc.logits()).sum())  # a diverged model (fit raises)
         if self.distributed is None:
-            return acc.compute()
+            return {**acc.compute(), "nan_predictions": nan}
+        nan = int(all_reduce_sum(float(nan), self.distributed.dense_group, self.device))
         # AUC does not decompose: rank 0 gathers every prediction, computes, and sends the figures
         # (every rank gathering and computing held ~120 bytes per eval sample on each of them)
         group = self.distributed.dense_group
@@ -297,7 +310,7 @@ class Trainer:
             raise RuntimeError("evaluation: rank 0 failed computing the metrics (its error is in its output)")
         figures = dict(zip(METRIC_KEYS, figures.tolist()))
         figures["num_samples"] = int(figures["num_samples"])
-        return figures
+        return {**figures, "nan_predictions": nan}
 
     # ------------------------------------------------------------------------------ loop
     def _eval_and_log(self, log: MetricsLog, bar: tqdm, epoch: int, window: Dict[str, Any]) -> float:
@@ -420,15 +433,12 @@ class Trainer:
                         self._step_stream(loader, remaining) as steps:
                     step_start = time.perf_counter()  # not the previous epoch's evaluation
                     for batch, size, hooks in steps:
-                        try:
+                        with self._error_record(log, epoch, 1):
                             loss = self.train_step(batch, size, hooks)
-                        except NonFiniteLossError as exc:
-                            log.write({"kind": "error", "step": self.step + 1, "epoch": epoch, "message": str(exc)})
-                            raise
                         samples += size
                         batch_in_epoch += 1
                         if self.checkpointer is not None:
-                            with self._phase("checkpoint"):
+                            with self._phase("checkpoint"), self._error_record(log, epoch):
                                 self.checkpointer.after_step(epoch, batch_in_epoch)
                         window["samples"] += size
                         window["loss"] += loss
@@ -454,12 +464,19 @@ class Trainer:
                 if not stop and not cfg.eval_every_steps and not last_epoch:
                     eval_seconds += self._eval_and_log(log, bar, epoch, window)
                 epoch, batch_in_epoch = epoch + 1, 0
-            if self.checkpointer is not None:
-                self.checkpointer.finish()
+            with self._error_record(log, epoch):
+                self.check_weights_finite()  # (the last step's update: no loss of a next step checks it)
+                if self.checkpointer is not None:
+                    self.checkpointer.finish()
             train_seconds = time.perf_counter() - start - eval_seconds
             train_comm = (self.comm_stats.snapshot(), dict(self.comm_stats.calls)) if self.comm_stats else None
             bar.close()
             final_eval = self.evaluate() if self.source.num_eval_samples() else {}  # {}: no eval set
+            if final_eval.get("nan_predictions"):  # (embedding rows the last update made NaN)
+                with self._error_record(log, epoch):
+                    raise NonFiniteLossError(f"the final evaluation predicted NaN for {final_eval['nan_predictions']:,} "
+                                             f"samples after step {self.step}: the last update diverged (lower the "
+                                             f"learning rates)")
             for collection in cached_collections(self.model):
                 collection.flush()  # every cached row back in its store
             cache = self._cache_counters()
@@ -474,6 +491,16 @@ class Trainer:
         return TrainResult(steps=self.step, samples=samples, train_seconds=train_seconds, qps=qps,
                            final_eval=final_eval, metrics_path=str(log.path) if log.path else None,
                            first_step=first_step, cache=cache)
+
+    @contextlib.contextmanager
+    def _error_record(self, log: MetricsLog, epoch: int, ahead: int = 0):
+        """A ``NonFiniteLossError`` raised inside is written to the metrics log as an "error"
+        record (of step ``self.step + ahead``: 1 for a step that did not happen) and raised on."""
+        try:
+            yield
+        except NonFiniteLossError as exc:
+            log.write({"kind": "error", "step": self.step + ahead, "epoch": epoch, "message": str(exc)})
+            raise
 
     def _cache_counters(self) -> Dict[str, Dict[str, float]]:
         """{table: CACHE_COUNTERS and hit_rate} of every cached table, summed over its pieces and,

@@ -121,6 +121,46 @@ def test_a_non_finite_loss_names_its_step_and_leaves_an_error_record(tmp_path):
     assert trainer.step == 2  # the update of step 3 never ran
 
 
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_a_last_update_that_diverges_fails_the_run_without_a_checkpoint_of_it(tmp_path, checkpoints):
+    """The loss is checked before each update, so the last step's update never was: with dense
+    weights of inf / NaN the final checkpoint was saved as complete, the final eval printed NaN
+    and the run ended with exit 0 (a resume from it then failed at once)."""
+    saving = [f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every_steps=1"] if checkpoints else []
+    trainer = make_trainer(tmp_path, "train.max_steps=2", *saving)
+    train_step = trainer.train_step
+
+    def diverging(*args, **kwargs):  # step 2's update leaves a dense weight infinite
+        loss = train_step(*args, **kwargs)
+        if trainer.step == 2:
+            next(trainer.model.parameters()).data[0] = float("inf")
+        return loss
+
+    trainer.train_step = diverging
+    with pytest.raises(NonFiniteLossError, match=r"dense weight \S+ is not finite after step 2: the update diverged"):
+        trainer.fit()
+    last = read_log(tmp_path)[-1]
+    assert last["kind"] == "error" and last["step"] == 2 and "is not finite after step 2" in last["message"]
+    if checkpoints:  # step 1's, not step 2's
+        assert [p.parent.name for p in (tmp_path / "ckpt").glob("step-*/manifest.json")] == ["step-000000001"]
+
+
+def test_embedding_rows_the_last_update_made_nan_fail_the_final_evaluation(tmp_path):
+    trainer = make_trainer(tmp_path, "train.max_steps=2")
+    train_step = trainer.train_step
+
+    def poisoning(*args, **kwargs):  # step 2's update leaves every row NaN (a diverged sparse update)
+        loss = train_step(*args, **kwargs)
+        if trainer.step == 2:
+            trainer.model.sparse_arch.tbe.weights.fill_(float("nan"))
+        return loss
+
+    trainer.train_step = poisoning
+    with pytest.raises(NonFiniteLossError, match=r"the final evaluation predicted NaN for 200 samples after step 2"):
+        trainer.fit()
+    assert read_log(tmp_path)[-1]["kind"] == "error"
+
+
 def test_a_new_run_says_that_it_replaces_an_earlier_runs_log(tmp_path):
     first, second = io.StringIO(), io.StringIO()
     make_trainer(tmp_path, "train.max_steps=2", out=first).fit()
