@@ -474,23 +474,27 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
             raise ValueError(f"config file {str(p)!r} is a directory; give a .toml file (e.g. configs/tiny.toml)")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found")
+        try:  # (a byte-order mark, as some Windows editors write, is not TOML's: dropped)
+            text = p.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"config file {str(p)!r} is not UTF-8 text: {exc}") from None
         if p.suffix.lower() == ".json":
             try:
-                values = json.loads(p.read_text())
-            except (ValueError, UnicodeDecodeError) as exc:
+                values = json.loads(text)
+            except ValueError as exc:
                 raise ValueError(f"config file {str(p)!r} is not valid JSON: {exc}") from None
             if not isinstance(values, dict):
                 raise ValueError(f"config file {str(p)!r}: expected a JSON object of sections, got "
                                  f"{type(values).__name__}")
         else:
             try:
-                values = tomllib.loads(p.read_text())
+                values = tomllib.loads(text)
             except tomllib.TOMLDecodeError as exc:
                 raise ValueError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
     try:
         return config_from_dict(values, overrides, check_data)
     except ValueError as exc:
-        blame = _blame(values, overrides, path, check_data)
+        blame = _blame(values, overrides, path, check_data, str(exc))
         raise ValueError(f"{exc}{blame}{_quote_hint(exc, overrides)}") from None
 
 
@@ -520,19 +524,22 @@ def toml_string(text: str) -> str:
 
 
 def _blame(values: Dict[str, Any], overrides: Sequence[str], path: Optional[str | Path],
-           check_data: bool = False) -> str:
-    """Where a config error comes from: the ``--set`` overrides that fail on their own (when the
-    file alone is valid), else the file."""
+           check_data: bool = False, message: Optional[str] = None) -> str:
+    """Where the config error ``message`` comes from: the file, when the file alone fails with it;
+    else the ``--set`` overrides that fail on their own (with it, when the file fails too: an
+    error of a --set was blamed on a file that has another error, or none of that key)."""
 
-    def fails(chosen: Sequence[str]) -> bool:
+    def error(chosen: Sequence[str]) -> Optional[str]:
         try:
             config_from_dict(values, chosen, check_data)
-        except ValueError:
-            return True
-        return False
+        except ValueError as exc:
+            return str(exc)
+        return None
 
-    if overrides and not fails(()):
-        culprits = [text for text in overrides if fails([text])]
+    of_file = error(())
+    if overrides and (of_file is None or (message is not None and of_file != message)):
+        culprits = [text for text in overrides
+                    if (error([text]) is not None if of_file is None else error([text]) == message)]
         return " (from " + (", ".join(f"--set {text}" for text in culprits) or "the --set overrides together") + ")"
     return f" (in {path})" if path else ""
 

@@ -46,6 +46,23 @@ from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, pla
 from neorec.train.timeline import StepTimeline, step_clock
 
 
+def hold_run_dirs(cfg: Config) -> List[Optional[int]]:
+    """Lock ``train.output_dir`` and ``checkpoint.dir`` for a run (``hold_dir``): the descriptors
+    to close when it ends. Another run holding either: ValueError naming the setting."""
+    locks, held = [], set()
+    try:
+        for path, what in ((cfg.train.output_dir, "train.output_dir"), (cfg.checkpoint.dir, "checkpoint.dir")):
+            if path and Path(path).resolve() not in held:
+                held.add(Path(path).resolve())
+                locks.append(hold_dir(path, what))
+    except BaseException:
+        for fd in locks:
+            if fd is not None:
+                os.close(fd)
+        raise
+    return locks
+
+
 class NonFiniteLossError(ValueError):
     """The training loss became NaN or infinite; training stops before the update is applied.
 
@@ -355,15 +372,8 @@ class Trainer:
         loading and checkpoint saves included, evaluation excluded), in the ``train`` records as
         in the ``final`` one. ``train.output_dir`` and ``checkpoint.dir`` are locked meanwhile: a
         second run writing to either is refused (two runs interleaved their logs and checkpoints)."""
-        locks = []
+        locks = hold_run_dirs(self.cfg) if self.is_main else []
         try:
-            if self.is_main:
-                held = set()
-                for path, what in ((self.cfg.train.output_dir, "train.output_dir"),
-                                   (self.cfg.checkpoint.dir, "checkpoint.dir")):
-                    if path and Path(path).resolve() not in held:
-                        held.add(Path(path).resolve())
-                        locks.append(hold_dir(path, what))
             return self._fit()
         finally:
             for fd in locks:

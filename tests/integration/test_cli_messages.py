@@ -1,6 +1,7 @@
 """What the `neorec` command line says and returns when something is missing or wrong, in-process."""
 
 import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -549,3 +550,26 @@ def test_a_stop_right_after_a_checkpoints_manifest_names_that_checkpoint(tmp_pat
     (root / "step-000000005" / "manifest.json").unlink()
     checkpointer.last_saved_step = checkpointer.last_complete = None
     assert _resume_hint(trainer) == " (no checkpoint saved yet)"
+
+
+def test_a_missing_resume_or_a_folder_in_use_is_said_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    """One process: both were refused only after the model was built and the header printed (a
+    large model takes minutes to build); the --nproc launcher already said them first."""
+    import neorec.train.trainer as trainer_module
+    from neorec.files import hold_dir
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built for a command that cannot run")
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", no_build)
+    out = tmp_path / "out"
+    common = ["train", "--config", str(TINY), "--no-progress", "--set", f"train.output_dir='{out}'"]
+    assert main([*common, "--resume", str(tmp_path / "nockpt")]) == 2
+    assert capsys.readouterr().err == f"neorec train: error: --resume: {tmp_path / 'nockpt'} does not exist\n"
+    held = hold_dir(out, "train.output_dir")  # another run (here: another descriptor) holds the folder
+    try:
+        assert main(common) == 2
+        err = capsys.readouterr().err
+        assert f"train.output_dir '{out}' is in use by another run (process {os.getpid()})" in err, err
+    finally:
+        os.close(held)

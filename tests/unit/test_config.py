@@ -325,3 +325,29 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(monkeypatch, tmp_path)
     assert cfg.embedding.location.ssd_dir == str(tmp_path / "ssd") and cfg.data.movielens.path == str(tmp_path / "ml")
     assert cfg.data.criteo.train_path == str(tmp_path / "day_0.tsv")
     assert load_config(None, ["train.output_dir='runs/~x'"]).train.output_dir == "runs/~x"  # only a leading ~
+
+
+def test_a_config_file_that_is_not_utf8_or_starts_with_a_bom(tmp_path):
+    """Bytes that are not UTF-8 gave a bare "'utf-8' codec can't decode" naming neither the file
+    nor the config; a byte-order mark (Windows editors) gave "Invalid statement at line 1"."""
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"# caf\xe9\n[train]\nepochs = 1\n")
+    with pytest.raises(ValueError, match=r"config file '.*bad.toml' is not UTF-8 text: 'utf-8' codec can't decode"):
+        load_config(bad)
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[train]\nepochs = 3\n")
+    assert load_config(bom).train.epochs == 3
+    bom_json = tmp_path / "bom.json"
+    bom_json.write_bytes(b'\xef\xbb\xbf{"train": {"epochs": 4}}')
+    assert load_config(bom_json).train.epochs == 4
+
+
+def test_an_error_of_a_set_is_not_blamed_on_a_file_with_another_error(tmp_path):
+    """With a file that has an error of its own, every error was said to be "(in FILE)", also one
+    that a --set caused: the user was sent to a file holding the right value."""
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nembedding_dim = 16\n[train]\nepochs = -1\n")
+    with pytest.raises(ValueError, match=r"epochs.* \(in .*c.toml\)$"):
+        load_config(path)
+    with pytest.raises(ValueError, match=r"model.embedding_dim must be > 0, got 0 \(from --set model.embedding_dim=0\)$"):
+        load_config(path, ["model.embedding_dim=0", "train.max_steps=5"])
