@@ -274,9 +274,10 @@ class ShardingPlan:
         (the cache in front is fp32). Returns self."""
         mixed = self.device_precisions()
         if len(mixed) > 1:  # (no embedding.storage.precision would do: the old message said to set it)
-            examples = ", ".join(f"{tables[0]!r} {kind}" for kind, tables in sorted(mixed.items()))
+            examples = ", ".join(f"{kind}: {tables[0]!r}" + (f" and {len(tables) - 1} more" if len(tables) > 1 else "")
+                                 for kind, tables in sorted(mixed.items()))
             raise ValueError(
-                f"sharding plan: its tables off the caches ask for {len(mixed)} precisions ({examples}, ...), but "
+                f"sharding plan: its tables off the caches ask for {len(mixed)} precisions ({examples}), but "
                 f"neorec train stores them all at one (embedding.storage.precision): make the plan with one "
                 f"precision (`neorec plan --precisions {precision}`), or drop the tables' precisions from the plan")
         for name, entry in self.tables.items():
