@@ -123,6 +123,11 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
         device = torch.device(device if device is not None else "cpu")
         separate = device.type != "cpu" if separate_host_tables is None else bool(separate_host_tables)
         host = [t for t in self.tables if self.locations[t.name].kind == "dram" and separate]
+        if host and len(host) == len(self.tables):  # (the fused module said only "tables must not be empty")
+            raise ValueError(f"every table ({[t.name for t in host]}) is placed in \"dram\" (host memory) on a "
+                             f"{device.type} run: the fused module on the device would hold none; keep at least one "
+                             f"table on the device (embedding.location.tables, min_rows) or cache the large ones "
+                             f"(cached_dram)")
         shapes = {t.name: self.locations[t.name].cache_shape(t.num_embeddings) for t in cached}
         self._host_tables, self._storage, self._device = host, storage, device
         self._tbe_options = dict(tbe_options or {})
@@ -445,14 +450,25 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)`` / ``.cuda()`` / ``.half()`` leave ``host_tbe`` as it is: its tables live in
         host memory by design (``build_model`` moving the whole model put them on the GPU, and the
-        first forward, which hands them host ids, failed)."""
-        if "host_tbe" not in self._modules:
-            return super()._apply(fn, recurse)
-        host = self._modules.pop("host_tbe")
+        first forward, which hands them host ids, failed). With cached tables a move to another
+        device is refused (their caches' slots and metadata stay where they were built: the moved
+        fused module no longer read the rows they loaded, and training went silently wrong); the
+        caches take the fused module's buffers afterwards, whatever ``fn`` made of them."""
+        if self.caches:
+            here = self.tbe.weights.device
+            there = fn(self.tbe.weights.new_empty(0)).device
+            if there != here:
+                raise RuntimeError(f"a CachedEmbeddingBagCollection with cached tables {sorted(self.caches)} cannot move "
+                                   f"from {here} to {there}: build it there (device=..., as build_model does)")
+        host = self._modules.pop("host_tbe", None)
         try:
-            return super()._apply(fn, recurse)
+            result = super()._apply(fn, recurse)
         finally:
-            self._modules["host_tbe"] = host
+            if host is not None:
+                self._modules["host_tbe"] = host
+        for name, cache in self.caches.items():
+            cache.bind(*self._slot_storage(name))
+        return result
 
     def _with_host_tables(self, values: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
         """``values`` of the fused module with the host module's columns added, in feature order."""
@@ -483,7 +499,10 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
         cache.flush(in_flight=in_flight)
 
     def close(self) -> None:
-        """Flush and close every store; the collection cannot train afterwards."""
+        """Flush and close every store; the collection cannot train afterwards. Closing again does
+        nothing (as for caches, stores and the trainer)."""
+        if all(cache.store.closed for cache in self.caches.values()):
+            return
         self.flush()
         for cache in self.caches.values():
             cache.close()

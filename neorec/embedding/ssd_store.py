@@ -220,10 +220,10 @@ class SsdRowStore(RowStore):
         self._touched_bytes = 0
 
     def _before_write(self) -> None:
-        if self._clean:
+        if self._clean:  # the mark first: one that failed to be written (a full disk) is tried again
+            _write_json(self.path / "meta.json", dict(self._meta, clean=False))
             self._clean = False
             self._meta["clean"] = False
-            _write_json(self.path / "meta.json", self._meta)
 
     # ------------------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
@@ -270,8 +270,9 @@ def _lock(path: Path) -> int:
     """The store's exclusive lock, on ``<parent>/.<name>.lock`` (beside the store, so that it
     outlives the store directory being replaced); the descriptor holds it. Refused while another
     process holds it."""
+    real = path.resolve()  # (a symlink to the store had a lock file of its own: two writers)
     try:
-        return lock_file(path.parent / f".{path.name}.lock")
+        return lock_file(real.parent / f".{real.name}.lock")
     except LockHeld as held:
         if held.holder == str(os.getpid()):
             raise ValueError(f"row store {str(path)!r} is already open in this process; close() it before opening "

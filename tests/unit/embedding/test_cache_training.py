@@ -581,3 +581,32 @@ def test_cache_slots_are_not_loaded_from_a_state_dict_and_the_collection_is_not_
     twin = copy.deepcopy(host_only)
     assert torch.equal(twin.table_weight("item"), host_only.table_weight("item"))
     host_only.load_state_dict(twin.state_dict())
+
+
+def test_moving_a_collection_with_caches_is_refused_and_new_buffers_are_taken(tmp_path):
+    """``.to(device)`` replaced the fused module's buffers while the caches kept the old slots
+    (and their metadata on the old device): misses loaded rows the forward no longer read, and
+    training went silently wrong. A move is refused; buffers replaced in place (same device) are
+    the caches' from then on, and training stays equal to the uncached collection."""
+    optimizer = SparseOptimizerConfig("rowwise_adagrad", 0.1)
+    reference = EmbeddingBagCollection(TABLES, optimizer, init_seed=5)
+    cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"), init_seed=5)
+    with pytest.raises(RuntimeError, match=r"cached tables \['big', 'shared', 'wide'\] cannot move from cpu to meta: "
+                                           r"build it there"):
+        cached.to("meta")
+    cached._apply(lambda t: t.clone())  # what a move does to the buffers, on the same device
+    assert cached.caches["big"].weights.data_ptr() == cached._slot_storage("big")[0].data_ptr()
+    train_both(reference, cached, make_batches(6), prefetch=False)
+    assert_same_tables(reference, cached)
+    cached.half()  # (the fused module keeps its storage types: nothing moves)
+    train_both(reference, cached, make_batches(3, seed=1), prefetch=False)
+    cached.close()
+    cached.close()  # a second close does nothing (it flushed closed stores: "row store 'big' is closed")
+
+
+def test_every_table_in_host_dram_on_a_device_run_is_said_plainly():
+    placed = {t.name: TableLocation("dram") for t in TABLES}
+    with pytest.raises(ValueError, match=r"every table \(.*\) is placed in \"dram\" \(host memory\) on a cpu run: the "
+                                         r"fused module on the device would hold none"):
+        CachedEmbeddingBagCollection(TABLES, SparseOptimizerConfig("sgd", 0.1), locations=placed,
+                                     separate_host_tables=True)

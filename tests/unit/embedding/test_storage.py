@@ -362,3 +362,44 @@ def test_the_initial_fill_is_not_counted_as_rows_moved(tmp_path, kind):
     store.write(torch.tensor([3, 7]), torch.ones(2, 6), {"momentum1": torch.zeros(2), "momentum2": torch.zeros(2, 6)})
     assert store.stats()["rows_written"] == 2 and store.stats()["bytes_written"] == 2 * store.format.record_bytes
     store.close()
+
+
+def test_a_symlink_to_a_store_shares_its_lock(tmp_path):
+    """The lock file was named after the path as given: a symlink to the store's folder had a lock
+    of its own, and two writers could open the same rows.bin."""
+    path = tmp_path / "t_user"
+    store = SsdRowStore.create(path, 10, 4)
+    alias = tmp_path / "alias"
+    alias.symlink_to(path, target_is_directory=True)
+    try:
+        with pytest.raises(ValueError, match="is already open in this process; close"):
+            SsdRowStore.open(alias)
+    finally:
+        store.close()
+    SsdRowStore.open(alias).close()  # (closed: the alias opens the store)
+
+
+def test_an_unclean_mark_that_failed_to_be_written_is_tried_again(tmp_path, monkeypatch):
+    """The store counted itself unclean before meta.json said so: when that write failed (a full
+    disk), the next writes went into rows.bin under a meta.json still saying clean, and a crash
+    then reopened the store as if nothing had been written."""
+    import neorec.embedding.ssd_store as ssd_store
+
+    store = SsdRowStore.create(tmp_path / "t", 4, 3)
+    store.flush()
+    real = ssd_store._write_json
+    calls = {"n": 0}
+
+    def full_once(path, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(ssd_store, "_write_json", full_once)
+    rows = torch.full((1, 3), 5.0)
+    with pytest.raises(OSError, match="No space left"):
+        store.write_rows(torch.tensor([1]), rows)
+    store.write_rows(torch.tensor([1]), rows)  # the retry writes the mark, then the row
+    assert json.loads((tmp_path / "t" / "meta.json").read_text())["clean"] is False
+    store.close()
