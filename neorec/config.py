@@ -526,8 +526,8 @@ def toml_string(text: str) -> str:
 def _blame(values: Dict[str, Any], overrides: Sequence[str], path: Optional[str | Path],
            check_data: bool = False, message: Optional[str] = None) -> str:
     """Where the config error ``message`` comes from: the file, when the file alone fails with it;
-    else the ``--set`` overrides that fail on their own (with it, when the file fails too: an
-    error of a --set was blamed on a file that has another error, or none of that key)."""
+    with a valid file, the ``--set`` overrides that fail on their own; with a file that fails
+    otherwise, the ``--set`` of the key the message names (such an error was blamed on the file)."""
 
     def error(chosen: Sequence[str]) -> Optional[str]:
         try:
@@ -537,11 +537,19 @@ def _blame(values: Dict[str, Any], overrides: Sequence[str], path: Optional[str 
         return None
 
     of_file = error(())
-    if overrides and (of_file is None or (message is not None and of_file != message)):
-        culprits = [text for text in overrides
-                    if (error([text]) is not None if of_file is None else error([text]) == message)]
-        return " (from " + (", ".join(f"--set {text}" for text in culprits) or "the --set overrides together") + ")"
-    return f" (in {path})" if path else ""
+    if overrides and of_file is None:
+        culprits = [text for text in overrides if error([text]) is not None]
+    elif overrides and message is not None and of_file != message:  # the file fails otherwise: the --set of
+        culprits = [text for text in overrides if _names_key(message, text)]  # the key the message names
+    else:
+        return f" (in {path})" if path else ""
+    return " (from " + (", ".join(f"--set {text}" for text in culprits) or "the --set overrides together") + ")"
+
+
+def _names_key(message: str, override: str) -> bool:
+    """Whether ``message`` names the key that ``override`` ("section.key=value") sets."""
+    key = ".".join(part for part in override.partition("=")[0].strip().split(".") if part)
+    return bool(key) and re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message) is not None
 
 
 def iter_config_keys(cls: type = Config, prefix: str = "") -> Iterator[Tuple[str, str, Any]]:

@@ -278,13 +278,16 @@ def _tier_seconds(num_bytes: float, tier: str, topo: Topology, settings: PlanSet
     return hit * device + (1 - hit) * backing
 
 
-def batch_cache_slots(rows: int, ids: float, ways: int) -> int:
-    """The slots a cache of a piece of ``rows`` rows grows to in training when ``ids`` ids a step
-    come in (``CachedEmbeddingBagCollection._grow_cache``: 1.25 x a batch's distinct rows, at most
-    the piece, whole sets of ``ways``): the distinct rows of ``ids`` uniform draws,
-    rows x (1 - (1 - 1/rows)^ids), an upper estimate for the skewed ids of real data."""
+def training_cache_slots(rows: int, ids: float, slots: int, ways: int) -> int:
+    """The slots a cache of ``slots`` slots over a piece of ``rows`` rows has in training when
+    ``ids`` ids a step come in: ``slots``, or, when a step's distinct rows outnumber them, what
+    ``CachedEmbeddingBagCollection._grow_cache`` grows it to (1.25 x those rows, at most the
+    piece, whole sets of ``ways``). Distinct rows of ``ids`` uniform draws,
+    rows x (1 - (1 - 1/rows)^ids): an upper estimate for the skewed ids of real data."""
     distinct = rows * -math.expm1(ids * math.log1p(-1.0 / rows)) if rows > 1 else min(1.0, ids)
-    return min(math.ceil(distinct * 1.25 / ways), math.ceil(rows / ways)) * ways
+    if distinct <= slots:
+        return slots
+    return max(slots, min(math.ceil(distinct * 1.25 / ways), math.ceil(rows / ways)) * ways)
 
 
 def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str, precision: str,
@@ -341,7 +344,7 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
         lfu = settings.cache_policy == "lfu"
         stored = piece_rows * store_record_bytes(precision, piece_cols, settings.optimizer, lfu)
         slots, ways = cache_shape(piece_rows, settings.cache_rows, settings.cache_fraction, settings.cache_ways)
-        slots = max(slots, batch_cache_slots(piece_rows, ids, ways))
+        slots = training_cache_slots(piece_rows, ids, slots, ways)
         cached = slots * (piece_cols * 4 + state + CACHE_SLOT_BYTES)
     if tier == "device":
         memory.device = stored

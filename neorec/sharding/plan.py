@@ -44,6 +44,14 @@ DEVICE_TIER = "device"
 CACHED_TIERS = ("cached_dram", "cached_ssd")  # a table's plan precision is its store's there
 
 
+def _element_bytes(precision: str) -> int:
+    """Bytes of one stored value at ``precision`` (a name no fused module stores: 4)."""
+    from neorec.embedding.precision import STORAGE_DTYPES
+
+    dtype = STORAGE_DTYPES.get(precision)
+    return dtype.itemsize if dtype is not None else 4
+
+
 class ShardingType(str, Enum):
     TABLE_WISE = "table_wise"
     ROW_WISE = "row_wise"
@@ -276,10 +284,12 @@ class ShardingPlan:
         if len(mixed) > 1:  # (no embedding.storage.precision would do: the old message said to set it)
             examples = ", ".join(f"{kind}: {tables[0]!r}" + (f" and {len(tables) - 1} more" if len(tables) > 1 else "")
                                  for kind, tables in sorted(mixed.items()))
+            smallest = min(mixed, key=lambda kind: (_element_bytes(kind), kind))  # (what memory needed)
             raise ValueError(
                 f"sharding plan: its tables off the caches ask for {len(mixed)} precisions ({examples}), but "
                 f"neorec train stores them all at one (embedding.storage.precision): make the plan with one "
-                f"precision (`neorec plan --precisions {precision}`), or drop the tables' precisions from the plan")
+                f"(`neorec plan --precisions {smallest}`, and embedding.storage.precision = '{smallest}'), or drop "
+                f"the tables' precisions from the plan")
         for name, entry in self.tables.items():
             if entry.tier in CACHED_TIERS:
                 continue

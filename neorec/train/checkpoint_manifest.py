@@ -131,24 +131,38 @@ def newest_saved_step(root: Path) -> Optional[int]:
     return max(steps) if steps else None
 
 
+UNKNOWN_JOB = "torchrun"  # a torchrun job that cannot name itself (see ``job_identity``)
+
+
 def job_identity() -> Optional[str]:
     """What the workers of one torchrun job share across its restarts and no other job has: its
     rendezvous id (``--rdzv-id``; ``--standalone`` draws one), or, with the default id "none" on
-    one node, its agent process (the workers' parent: pid and start time). None outside torchrun,
-    and for a multi-node job with the default id (its nodes' agents differ)."""
+    one node, its agent process (the workers' parent: pid and start time). None outside torchrun;
+    ``UNKNOWN_JOB`` for a multi-node job with the default id (its nodes' agents differ)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
     if run_id and run_id != "none":
         return f"rdzv:{run_id}"
     if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
-        return None
+        return UNKNOWN_JOB
     agent = os.getppid()
     try:  # field 22, the start time: a pid alone may be reused
         start = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
-        return None
+        return UNKNOWN_JOB
     return f"agent:{socket.gethostname()}:{agent}:{start}"
+
+
+def saved_by_this_job(manifest: dict, job: Optional[str]) -> bool:
+    """Whether a restart of torchrun job ``job`` may go on from the checkpoint of ``manifest``:
+    one its job saved, or, where either job cannot name itself (``UNKNOWN_JOB``: a multi-node job
+    with the default rendezvous id, which may since have shrunk to one node), any checkpoint a
+    torchrun job saved. Not one of a run outside torchrun (its manifest's job is None)."""
+    saved = manifest.get("job")
+    if job in (None, UNKNOWN_JOB):
+        return True
+    return saved == job or saved == UNKNOWN_JOB
 
 
 @dataclass
@@ -175,7 +189,7 @@ def choose_resume(cfg: CheckpointConfig, resume: Optional[str]) -> ResumeChoice:
     skipped = io.StringIO()  # newer torn or corrupt checkpoints, said by the trainer's rank 0
     found = find_latest_complete(root, out=skipped)
     job = job_identity()
-    if found is not None and job is not None and found[1].get("job") != job:
+    if found is not None and not saved_by_this_job(found[1], job):
         # another job's: the first attempt refused them (or resumed --resume); a restart does the same
         return ResumeChoice(resume, None, f"checkpoint: restarted by torchrun, but the newest checkpoint in {root} "
                                           f"({found[0].name}) was not saved by this job: not resuming it\n")

@@ -31,6 +31,7 @@ from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
 from neorec.files import ensure_writable_dir, hold_dir, write_atomic
 from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
+from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.init_stream import observing_draws
 from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
@@ -272,15 +273,24 @@ class Trainer:
             )
 
     def check_weights_finite(self) -> None:
-        """Raise ``NonFiniteLossError`` when a dense weight is NaN or infinite: the last update
-        diverged. The loss check sees that only at the next step, and the last step has none: its
-        checkpoint was saved as complete and the run ended with exit 0. Called before each
-        checkpoint and after the last step (the dense weights are the same on every rank)."""
-        for name, parameter in self.model.named_parameters():
-            if not bool(torch.isfinite(parameter).all()):
-                raise NonFiniteLossError(
-                    f"dense weight {name.removeprefix('module.')} is not finite after step {self.step}: the update "
-                    f"diverged; stopping without saving it (lower the learning rates)")
+        """Raise ``NonFiniteLossError`` when a dense weight or an embedding row in a fused module
+        (device tables, cache slots: where the last update wrote) is NaN or infinite: the last
+        update diverged. The loss check sees that only at the next step, and the last step has
+        none: its checkpoint was saved as complete and the run ended with exit 0. Called before
+        each checkpoint and after the last step, on every rank (the verdict is all-reduced)."""
+        bad = next((name.removeprefix("module.") for name, parameter in self.model.named_parameters()
+                    if not bool(torch.isfinite(parameter).all())), None)
+        if bad is not None:
+            what = f"dense weight {bad} is"
+        else:
+            fused = [m for m in self.model.modules() if isinstance(m, TableBatchedEmbeddingBags)]
+            what = "embedding rows are" if any(not bool(torch.isfinite(m.weights).all()) for m in fused) else None
+        if self.distributed is not None:  # (a rank's own rows: every rank stops alike)
+            if all_reduce_sum(float(what is not None), self.distributed.dense_group, self.device) and what is None:
+                what = "embedding rows of another rank are"
+        if what is not None:
+            raise NonFiniteLossError(f"{what} not finite after step {self.step}: the update diverged; stopping "
+                                     f"without saving it (lower the learning rates)")
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
@@ -430,6 +440,7 @@ class Trainer:
         samples, eval_seconds, first_step = 0, 0.0, self.step
         window = {"samples": 0, "loss": 0.0, "steps": 0, "start": time.perf_counter()}
         start = step_start = time.perf_counter()
+        trained_epoch = epoch  # (the epoch of the last step, for a record after the loop)
         try:
             stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
             while not stop and (not cfg.epochs or epoch < cfg.epochs):
@@ -473,8 +484,8 @@ class Trainer:
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
                 if not stop and not cfg.eval_every_steps and not last_epoch:
                     eval_seconds += self._eval_and_log(log, bar, epoch, window)
-                epoch, batch_in_epoch = epoch + 1, 0
-            with self._error_record(log, epoch):
+                trained_epoch, epoch, batch_in_epoch = epoch, epoch + 1, 0
+            with self._error_record(log, trained_epoch):
                 self.check_weights_finite()  # (the last step's update: no loss of a next step checks it)
                 if self.checkpointer is not None:
                     self.checkpointer.finish()
@@ -482,8 +493,8 @@ class Trainer:
             train_comm = (self.comm_stats.snapshot(), dict(self.comm_stats.calls)) if self.comm_stats else None
             bar.close()
             final_eval = self.evaluate() if self.source.num_eval_samples() else {}  # {}: no eval set
-            if final_eval.get("nan_predictions"):  # (embedding rows the last update made NaN)
-                with self._error_record(log, epoch):
+            if final_eval.get("nan_predictions"):  # (rows the checks above do not see: in cached stores)
+                with self._error_record(log, trained_epoch):
                     raise NonFiniteLossError(f"the final evaluation predicted NaN for {final_eval['nan_predictions']:,} "
                                              f"samples after step {self.step}: the last update diverged (lower the "
                                              f"learning rates)")

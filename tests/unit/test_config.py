@@ -351,3 +351,7 @@ def test_an_error_of_a_set_is_not_blamed_on_a_file_with_another_error(tmp_path):
         load_config(path)
     with pytest.raises(ValueError, match=r"model.embedding_dim must be > 0, got 0 \(from --set model.embedding_dim=0\)$"):
         load_config(path, ["model.embedding_dim=0", "train.max_steps=5"])
+    # a --set that fixes the file's error and one that makes another: the second is named
+    path.write_text("[model]\nembedding_dim = 0\n")
+    with pytest.raises(ValueError, match=r"epochs.* \(from --set train.epochs=-1\)$"):
+        load_config(path, ["model.embedding_dim=16", "train.epochs=-1"])

@@ -335,3 +335,13 @@ def test_a_cpu_topology_counts_the_host_tiers_in_the_same_memory():
         plan_tables(tables, cpu, settings, time_limit=0)
     with pytest.raises(ValueError, match="unified_memory must be 0 or 1"):
         dataclasses.replace(split, unified_memory=2)
+
+
+def test_a_cache_a_step_fits_in_is_planned_at_its_own_size():
+    """Growth counted for a cache that never grows: a step's 877 distinct rows fit its 1,008 slots,
+    but the planner charged 1.25 x 877 rounded up (1,088 slots)."""
+    from neorec.planner.cost_model import training_cache_slots
+
+    assert training_cache_slots(10_000, 900, 1008, 16) == 1008  # ~861 distinct rows: no growth
+    assert training_cache_slots(10_000, 5000, 1008, 16) == 4928  # ~3,935: grown to 1.25 x, whole sets
+    assert training_cache_slots(100, 10**6, 16, 8) == 104  # at most the piece (in whole sets)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from neorec.train.checkpoint_manifest import UNKNOWN_JOB, saved_by_this_job
 from tests.unit.train.test_checkpoint import assert_identical, checkpoint_args, checkpoint_names, make_trainer, snapshot
 
 
@@ -120,7 +121,7 @@ def test_a_restart_goes_on_only_from_checkpoints_its_own_job_saved(tmp_path, mon
 def test_job_identity_is_the_rendezvous_id_or_the_single_nodes_agent(monkeypatch):
     import os
 
-    from neorec.train.checkpoint_manifest import job_identity
+    from neorec.train.checkpoint_manifest import UNKNOWN_JOB, job_identity
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert job_identity() is None  # not under torchrun
@@ -133,7 +134,19 @@ def test_job_identity_is_the_rendezvous_id_or_the_single_nodes_agent(monkeypatch
     assert agent is not None and agent.startswith("agent:") and f":{os.getppid()}:" in agent
     assert job_identity() == agent
     monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes: their agents differ, so nothing tells the job
-    assert job_identity() is None
+    assert job_identity() == UNKNOWN_JOB
+
+
+def test_a_job_that_cannot_name_itself_goes_on_after_shrinking_to_one_node():
+    """A multi-node job with the default rendezvous id saved with no job; restarted on one node
+    (an elastic scale-down), it named itself by its agent and refused its own checkpoints."""
+    agent = "agent:host:7:123"
+    assert saved_by_this_job({"job": UNKNOWN_JOB}, agent)  # saved on 2 nodes, restarted on 1
+    assert saved_by_this_job({"job": agent}, UNKNOWN_JOB)  # saved on 1 node, restarted on 2
+    assert saved_by_this_job({"job": agent}, agent)
+    assert not saved_by_this_job({"job": "agent:host:8:456"}, agent)  # another job on this node
+    assert not saved_by_this_job({"job": None}, agent)  # a run outside torchrun
+    assert not saved_by_this_job({}, "rdzv:job-1")  # (manifests from before the job was recorded)
 
 
 def test_the_launcher_checks_the_checkpoint_the_ranks_will_take(tmp_path):
