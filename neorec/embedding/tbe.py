@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -308,6 +308,17 @@ class TableBatchedEmbeddingBags(nn.Module):
             return fn(tensor) if probe.dtype == tensor.dtype else tensor.to(probe.device)
 
         return super()._apply(keep_dtype, recurse)
+
+    def first_non_finite_row(self) -> Optional[Tuple[str, int]]:
+        """(table, row) of the first row holding NaN or inf, None when every row is finite (one
+        pass over the flat weights: a check after an update that may have diverged)."""
+        bad = ~torch.isfinite(self.weights)
+        if not bool(bad.any()):
+            return None
+        element = int(bad.nonzero()[0, 0])
+        index = max((t for t, offset in enumerate(self.table_offsets) if offset <= element),
+                    key=lambda t: self.table_offsets[t])  # (the tables' blocks may lie in another order)
+        return self.tables[index].name, (element - self.table_offsets[index]) // self.table_dims[index]
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

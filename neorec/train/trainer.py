@@ -280,17 +280,22 @@ class Trainer:
         each checkpoint and after the last step, on every rank (the verdict is all-reduced)."""
         bad = next((name.removeprefix("module.") for name, parameter in self.model.named_parameters()
                     if not bool(torch.isfinite(parameter).all())), None)
-        if bad is not None:
-            what = f"dense weight {bad} is"
-        else:
-            fused = [m for m in self.model.modules() if isinstance(m, TableBatchedEmbeddingBags)]
-            what = "embedding rows are" if any(not bool(torch.isfinite(m.weights).all()) for m in fused) else None
+        what = f"dense weight {bad} is" if bad is not None else None
+        for module in (m for m in self.model.modules() if isinstance(m, TableBatchedEmbeddingBags)):
+            row = module.first_non_finite_row() if what is None else None
+            if row is not None:  # (a cached table's row here is a cache slot)
+                what = f"table {row[0]!r} row {row[1]} ({'cache slot' if self._is_cached(row[0]) else 'embedding row'}) is"
         if self.distributed is not None:  # (a rank's own rows: every rank stops alike)
             if all_reduce_sum(float(what is not None), self.distributed.dense_group, self.device) and what is None:
-                what = "embedding rows of another rank are"
+                what = "an embedding row of another rank is"
         if what is not None:
+            last = self.checkpointer.go_on_from() if self.checkpointer is not None else None
+            where = f"; its last complete checkpoint is of step {last[0]}: --resume {last[1]}" if last else ""
             raise NonFiniteLossError(f"{what} not finite after step {self.step}: the update diverged; stopping "
-                                     f"without saving it (lower the learning rates)")
+                                     f"without saving it (lower the learning rates){where}")
+
+    def _is_cached(self, table: str) -> bool:
+        return any(table in c.caches for c in cached_collections(self.model))
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:

@@ -131,3 +131,17 @@ def test_assigning_a_state_dict_of_another_precision_keeps_this_modules_types():
     assert torch.equal(half.weights, source.weights.half())
     half(batch()).values.sum().backward()  # and it trains
     assert half.step_count == 1
+
+
+def test_the_first_non_finite_row_is_named_by_table_and_row():
+    """What the trainer's divergence check names: tables of several dims (blocks grouped by dim)."""
+    tables = [TableConfig("a", 5, 4), TableConfig("b", 7, 8), TableConfig("c", 3, 4)]
+    tbe = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd", 0.1), init_seed=0)
+    assert tbe.first_non_finite_row() is None
+    for name, row in (("c", 2), ("b", 6), ("a", 0)):
+        weight = tbe.get_table_weight(name)
+        weight[row, -1] = float("nan")
+        tbe.set_table_weight(name, weight)
+        found = tbe.first_non_finite_row()
+        assert found is not None and torch.isnan(tbe.get_table_weight(found[0])[found[1]]).any(), found
+    assert tbe.first_non_finite_row() in {("a", 0), ("b", 6), ("c", 2)}

@@ -163,8 +163,9 @@ def test_embedding_rows_the_last_update_made_nan_fail_the_run(tmp_path, checked)
     trainer.train_step = poisoning
     if not checked:
         trainer.check_weights_finite = lambda: None
-    message = ("embedding rows are not finite after step 2: the update diverged" if checked else
-               "the final evaluation predicted NaN for 200 samples after step 2")
+    message = (r"table 't_feature_\d' row 0 \(embedding row\) is not finite after step 2: the update diverged; "
+               r"stopping without saving it \(lower the learning rates\); its last complete checkpoint is of step 1: "
+               r"--resume \S+ckpt$" if checked else "the final evaluation predicted NaN for 200 samples after step 2")
     with pytest.raises(NonFiniteLossError, match=message):
         trainer.fit()
     last = read_log(tmp_path)[-1]
