@@ -4,6 +4,7 @@ file, and exclusive locks between processes (``flock`` on a lock file)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -12,7 +13,7 @@ import re
 import stat
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 
 NAME_MAX = 255  # bytes in one file name on Linux file systems
@@ -153,6 +154,21 @@ def hold_dir(path: str | os.PathLike, what: str) -> Optional[int]:
         return None
     sweep_temporaries(path)  # the half-written files of writers killed here (see sweep_temporaries)
     return fd
+
+
+@contextlib.contextmanager
+def holding_dirs(dirs: Iterable[Tuple[str | os.PathLike, str]]) -> Iterator[None]:
+    """Hold ``hold_dir`` on each ``(path, what)`` of ``dirs`` (empty paths skipped, a folder named
+    twice held once) while inside; released on leaving, also when taking one of them failed."""
+    with contextlib.ExitStack() as stack:
+        held = set()
+        for path, what in dirs:
+            if path and Path(path).resolve() not in held:
+                held.add(Path(path).resolve())
+                fd = hold_dir(path, what)
+                if fd is not None:
+                    stack.callback(os.close, fd)
+        yield
 
 
 def lock_file(path: str | os.PathLike, on_wait: Optional[Callable[[str], None]] = None) -> int:

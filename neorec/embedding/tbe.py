@@ -315,7 +315,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         bad = ~torch.isfinite(self.weights)
         if not bool(bad.any()):
             return None
-        element = int(bad.nonzero()[0, 0])
+        element = int(bad.to(torch.uint8).argmax())  # (the first: argmax returns the first maximum)
         index = max((t for t, offset in enumerate(self.table_offsets) if offset <= element),
                     key=lambda t: self.table_offsets[t])  # (the tables' blocks may lie in another order)
         return self.tables[index].name, (element - self.table_offsets[index]) // self.table_dims[index]

@@ -219,12 +219,13 @@ def _total_memory(options: Dict[str, List[ShardOption]], world: int, capacity: C
     for tier, what, room in (("device", "device memory", capacity.device), ("host", "host DRAM", capacity.host),
                              ("ssd", "SSD", capacity.ssd),  # (a tier alone wins a tie: it says more)
                              (None, "memory of all tiers", capacity.device + capacity.host + capacity.ssd)):
-        need = sum(min(footprint(o, tier) for o in opts) for opts in options.values())
+        least = {name: min(footprint(o, tier) for o in opts) for name, opts in options.items()}
+        need = sum(least.values())
         if need <= 0:
             continue
         ratio = need / (room * world) if room > 0 else float("inf")
         if ratio > worst[0]:
-            largest = sorted(options, key=lambda n: -min(footprint(o, tier) for o in options[n]))[:3]
+            largest = sorted(least, key=lambda n: -least[n])[:3]
             worst = (ratio, f"the tables need at least {format_bytes(need)} of {what} in all (each at its smallest "
                             f"option; the largest: {', '.join(repr(n) for n in largest)}), and the {world} ranks hold "
                             f"{format_bytes(room * world)} ({ratio * 100:.0f}%)")

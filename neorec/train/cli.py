@@ -48,15 +48,15 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise
     if args.plan is not None:
         raise ValueError("--plan needs several processes: --nproc 2 or more, or start with torchrun")
-    from neorec.train.trainer import Trainer, hold_run_dirs
+    from neorec.files import holding_dirs
+    from neorec.train.trainer import Trainer, run_dirs
 
     cfg = _train_config(args)
     cfg.data.check_inputs_exist()  # named by its key, before the model is built
     if args.resume and not Path(args.resume).exists():  # (said after a model build of minutes, otherwise)
         raise ValueError(f"--resume: {args.resume} does not exist")
-    for fd in hold_run_dirs(cfg):  # another run on these folders: said now; fit() holds them for the run
-        if fd is not None:
-            os.close(fd)
+    with holding_dirs(run_dirs(cfg)):  # another run on these folders: said now; fit() holds them for the run
+        pass
     trainer = Trainer(cfg, resume=args.resume)
     _print_header(cfg, trainer)
     with _terminate_raises():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import secrets
 import sys
 import time
@@ -29,14 +28,14 @@ from tqdm import tqdm
 from neorec.config import Config
 from neorec.data import DataSource, PrefetchLoader, make_data_source
 from neorec.data.batch import Batch
-from neorec.files import ensure_writable_dir, hold_dir, write_atomic
+from neorec.files import ensure_writable_dir, holding_dirs, write_atomic
 from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
-from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.init_stream import observing_draws
 from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
 from neorec.model import dense_parameters
 from neorec.train.allocator import reuse_freed_memory
+from neorec.train.divergence import non_finite_weight
 from neorec.train.build import (build_model, make_dense_optimizer, plan_locations, resolve_device,
                                  ssd_dir_of)
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
@@ -47,21 +46,9 @@ from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, pla
 from neorec.train.timeline import StepTimeline, step_clock
 
 
-def hold_run_dirs(cfg: Config) -> List[Optional[int]]:
-    """Lock ``train.output_dir`` and ``checkpoint.dir`` for a run (``hold_dir``): the descriptors
-    to close when it ends. Another run holding either: ValueError naming the setting."""
-    locks, held = [], set()
-    try:
-        for path, what in ((cfg.train.output_dir, "train.output_dir"), (cfg.checkpoint.dir, "checkpoint.dir")):
-            if path and Path(path).resolve() not in held:
-                held.add(Path(path).resolve())
-                locks.append(hold_dir(path, what))
-    except BaseException:
-        for fd in locks:
-            if fd is not None:
-                os.close(fd)
-        raise
-    return locks
+def run_dirs(cfg: Config) -> List[Tuple[str, str]]:
+    """The folders a run writes and holds (``holding_dirs``), with their settings' names."""
+    return [(cfg.train.output_dir, "train.output_dir"), (cfg.checkpoint.dir, "checkpoint.dir")]
 
 
 class NonFiniteLossError(ValueError):
@@ -273,29 +260,18 @@ class Trainer:
             )
 
     def check_weights_finite(self) -> None:
-        """Raise ``NonFiniteLossError`` when a dense weight or an embedding row in a fused module
-        (device tables, cache slots: where the last update wrote) is NaN or infinite: the last
-        update diverged. The loss check sees that only at the next step, and the last step has
-        none: its checkpoint was saved as complete and the run ended with exit 0. Called before
+        """Raise ``NonFiniteLossError`` when a dense weight or a fused module's embedding row is NaN
+        or infinite (``divergence.non_finite_weight``): the last update diverged. Called before
         each checkpoint and after the last step, on every rank (the verdict is all-reduced)."""
-        bad = next((name.removeprefix("module.") for name, parameter in self.model.named_parameters()
-                    if not bool(torch.isfinite(parameter).all())), None)
-        what = f"dense weight {bad} is" if bad is not None else None
-        for module in (m for m in self.model.modules() if isinstance(m, TableBatchedEmbeddingBags)):
-            row = module.first_non_finite_row() if what is None else None
-            if row is not None:  # (a cached table's row here is a cache slot)
-                what = f"table {row[0]!r} row {row[1]} ({'cache slot' if self._is_cached(row[0]) else 'embedding row'}) is"
+        what = non_finite_weight(self.model)
         if self.distributed is not None:  # (a rank's own rows: every rank stops alike)
             if all_reduce_sum(float(what is not None), self.distributed.dense_group, self.device) and what is None:
-                what = "an embedding row of another rank is"
+                what = "an embedding row of another rank"
         if what is not None:
             last = self.checkpointer.go_on_from() if self.checkpointer is not None else None
             where = f"; its last complete checkpoint is of step {last[0]}: --resume {last[1]}" if last else ""
-            raise NonFiniteLossError(f"{what} not finite after step {self.step}: the update diverged; stopping "
+            raise NonFiniteLossError(f"{what} is not finite after step {self.step}: the update diverged; stopping "
                                      f"without saving it (lower the learning rates){where}")
-
-    def _is_cached(self, table: str) -> bool:
-        return any(table in c.caches for c in cached_collections(self.model))
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
@@ -387,13 +363,8 @@ class Trainer:
         loading and checkpoint saves included, evaluation excluded), in the ``train`` records as
         in the ``final`` one. ``train.output_dir`` and ``checkpoint.dir`` are locked meanwhile: a
         second run writing to either is refused (two runs interleaved their logs and checkpoints)."""
-        locks = hold_run_dirs(self.cfg) if self.is_main else []
-        try:
+        with holding_dirs(run_dirs(self.cfg) if self.is_main else []):
             return self._fit()
-        finally:
-            for fd in locks:
-                if fd is not None:
-                    os.close(fd)
 
     def _fit(self) -> TrainResult:
         cfg = self.cfg.train

@@ -183,7 +183,7 @@ def test_a_plan_of_two_device_precisions_says_that_training_needs_one(tmp_path, 
            "precision" in printed, printed
     for precision in ("fp32", "fp16"):
         with pytest.raises(ValueError, match=r"its tables off the caches ask for 2 precisions \(fp16: 't_feature_\d'"
-                                             rf"( and \d more)?, fp32: 't_feature_\d'( and \d more)?\).*--precisions "
+                                             r"( and \d more)?, fp32: 't_feature_\d'( and \d more)?\).*--precisions "
                                              r"fp16`, and embedding.storage.precision = 'fp16'\)"):
             plan.check_precision(precision)
     assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp16",
