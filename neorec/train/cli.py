@@ -236,6 +236,27 @@ def _plan_on_rank_0(context, make_plan) -> str:
     return broadcast_text(text, group, device)
 
 
+def _ranks_per_node(context) -> int:
+    """The ranks per node that ``--plan auto`` plans for, the same on every rank: each rank sends its
+    LOCAL_WORLD_SIZE, and nodes of unequal size (torchrun agents with different --nproc-per-node)
+    are refused on every rank (the check of rank 0's own node alone let 2 + 4 ranks plan as 3 nodes of 2)."""
+    import torch
+    import torch.distributed as dist
+
+    group, device = context.embedding_group, context.device
+    mine = torch.tensor([context.local_world_size], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, mine, group=group)
+    sizes = [int(size) for size in sizes]
+    if len(set(sizes)) > 1:
+        counts = " and ".join(f"{size} ({sizes.count(size)} rank{'s' * (sizes.count(size) > 1)})"
+                              for size in sorted(set(sizes)))
+        raise ValueError(f"--plan auto plans for nodes of equal size, but the ranks' LOCAL_WORLD_SIZE differ: {counts}; "
+                         "make a plan for this world with `neorec plan --topology FILE --out plan.json` and pass "
+                         "--plan plan.json")
+    return sizes[0]
+
+
 def _fit_distributed(cfg, context, plan, resume=None):
     from neorec.train.trainer import Trainer
 
@@ -246,8 +267,9 @@ def _fit_distributed(cfg, context, plan, resume=None):
         from neorec.sharding.plan import ShardingPlan
 
         source = make_data_source(cfg.data)
+        ranks_per_node = _ranks_per_node(context)
         plan = _plan_on_rank_0(context, lambda: plan_for_training(cfg, source, context.world_size,
-                                                                  context.local_world_size).to_json())
+                                                                  ranks_per_node).to_json())
         plan = ShardingPlan.from_json(plan)
     trainer = Trainer(cfg, source=source, distributed=context, plan=plan, resume=resume)
     if context.is_main:

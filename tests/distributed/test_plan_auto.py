@@ -47,3 +47,13 @@ def test_plan_auto_is_made_on_rank_0_and_sent_to_the_others(tmp_path):
     errors = run_ranks(workers.plan_on_rank_0, 3, tmp_path / "fail", args=(True,), timeout=60)
     assert errors == ["raised: table 't0' fits no rank (planned on rank 0)"] + \
         ["raised: rank 0 could not plan: table 't0' fits no rank (planned on rank 0)"] * 2
+
+
+def test_plan_auto_refuses_nodes_of_unequal_size_on_every_rank(tmp_path):
+    """Rank 0's node of 1 rank divides a world of 3 (its own check passed), but the other node runs 2:
+    every rank sees every rank's LOCAL_WORLD_SIZE and all refuse alike, none waits for a plan."""
+    assert run_ranks(workers.ranks_per_node, 3, tmp_path / "even", args=([3, 3, 3],), timeout=60) == ["3"] * 3
+    refused = run_ranks(workers.ranks_per_node, 3, tmp_path / "uneven", args=([1, 2, 2],), timeout=60)
+    assert refused == ["raised: --plan auto plans for nodes of equal size, but the ranks' LOCAL_WORLD_SIZE differ: "
+                       "1 (1 rank) and 2 (2 ranks); make a plan for this world with `neorec plan --topology FILE "
+                       "--out plan.json` and pass --plan plan.json"] * 3

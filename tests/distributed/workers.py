@@ -220,3 +220,18 @@ def eval_failing_on_rank_0(rank: int, world: int, group, directory: str) -> str:
     except (MemoryError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "returned"
+
+
+def ranks_per_node(rank: int, world: int, group, local_world_sizes: List[int]) -> str:
+    """``--plan auto``'s node size, agreed by all ranks; each rank claims ``local_world_sizes[rank]``
+    as its LOCAL_WORLD_SIZE. Returns the size, or the error."""
+    from types import SimpleNamespace
+
+    from neorec.train.cli import _ranks_per_node
+
+    context = SimpleNamespace(local_world_size=local_world_sizes[rank], embedding_group=group,
+                              device=torch.device("cpu"))
+    try:
+        return str(_ranks_per_node(context))
+    except ValueError as exc:
+        return f"raised: {exc}"
