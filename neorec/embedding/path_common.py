@@ -4,6 +4,8 @@ forward pools through the path and whose backward runs the path's fused optimize
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import List
 
 import torch
@@ -36,6 +38,42 @@ def check_weights_need_no_grad(features: KeyedJaggedTensor) -> None:
                          "differentiate with respect to per-value weights; pass weights.detach()")
 
 
+class SecondLookupWarning(UserWarning):
+    """A table-batched module was looked up again while an earlier lookup's backward was still to
+    come: each backward is its own optimizer step."""
+
+
+SECOND_LOOKUP = ("this TableBatchedEmbeddingBags is looked up again while an earlier lookup's backward has not run: "
+                 "each lookup's backward is its own optimizer step on the rows it touched (two lookups into one "
+                 "loss step the optimizer twice, which differs from one step on the summed gradient for "
+                 "AdaGrad, row-wise AdaGrad and Adam); concatenate the features into one KeyedJaggedTensor "
+                 "for one step, or run the first lookup under torch.no_grad() if it needs no update")
+
+
+class PendingLookups:
+    """Which lookup of one module still awaits its backward: ``started(ctx)`` in an autograd
+    forward (warns once per process, ``SecondLookupWarning``, when the previous lookup's graph is
+    still alive and its backward has not run), ``stepped(ctx)`` in its backward. Holds a weak
+    reference only: a graph dropped without a backward is forgotten; copies and pickles start empty."""
+
+    def __init__(self) -> None:
+        self._last = None
+
+    def __getstate__(self) -> dict:
+        return {"_last": None}
+
+    def started(self, ctx) -> None:
+        last = self._last() if self._last is not None else None
+        if last is not None and not getattr(last, "stepped", True):
+            warnings.warn(SECOND_LOOKUP, SecondLookupWarning, stacklevel=4)
+        ctx.stepped = False
+        self._last = weakref.ref(ctx)
+
+    @staticmethod
+    def stepped(ctx) -> None:
+        ctx.stepped = True
+
+
 _SAVED = object()  # marks an input kept by save_for_backward
 
 
@@ -51,6 +89,7 @@ class PathLookup(torch.autograd.Function):
         tensors = [i for i in inputs if isinstance(i, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.path, ctx.inputs = path, [_SAVED if isinstance(i, torch.Tensor) else i for i in inputs]
+        path.module.pending_lookups.started(ctx)
         return path.pool(*inputs)
 
     @staticmethod
@@ -58,4 +97,5 @@ class PathLookup(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         inputs = [next(saved) if i is _SAVED else i for i in ctx.inputs]
         ctx.path.backward(*inputs, grad_output)
+        PendingLookups.stepped(ctx)
         return (None, None) + (None,) * len(ctx.inputs)

@@ -45,6 +45,7 @@ from neorec.embedding.layout import DimGroup, build_layout
 from neorec.embedding.lookup import GroupLookup, prepare_lookups
 from neorec.embedding.memory import empty_huge
 from neorec.embedding.native_path import NativePath
+from neorec.embedding.path_common import PendingLookups
 from neorec.embedding.optimizers import create_state, state_views, update_rows
 from neorec.embedding.precision import Rounder, storage_dtype
 from neorec.embedding.init_stream import TableInit
@@ -66,12 +67,14 @@ class _FusedLookup(torch.autograd.Function):
     def forward(ctx, anchor, module, lookups, batch_size):  # type: ignore[override]
         ctx.module, ctx.lookups = module, lookups
         ctx.save_for_backward(anchor)  # freed by backward: a second backward raises, as autograd's own
+        module.pending_lookups.started(ctx)
         return module._pool(lookups, batch_size)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         _ = ctx.saved_tensors  # "Trying to backward through the graph a second time" (it stepped the optimizer again)
         ctx.module._backward(ctx.lookups, grad_output)
+        PendingLookups.stepped(ctx)
         return None, None, None, None
 
 
@@ -178,6 +181,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self._triton = TritonPath(self)
         self._native = NativePath(self)
         self._kernel_by_device: Dict[str, str] = {}
+        self.pending_lookups = PendingLookups()  # warns when a second lookup comes before the first's backward
         # [num_rows] bool, layout row order: rows updated since the last take_modified_rows()
         # (Check-N-Run incremental checkpoints); None = not tracking (no cost)
         self.modified_rows: Optional[torch.Tensor] = None
@@ -329,8 +333,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         length ("mean"), with ``w_i`` the KJT's per-value weights (1 without weights); an empty
         bag gives zeros. Returns a ``KeyedTensor`` with values [B, sum(feature_dims)] fp32
         (accumulated in fp32 whatever the storage precision). With grad enabled, the backward
-        of these values updates the touched rows in place: each backward is one optimizer step,
-        and the tables take no part in ``requires_grad_`` (freeze them with ``torch.no_grad()``)."""
+        of these values updates the touched rows in place: each backward is one optimizer step
+        (a second lookup while the first's backward is still to come warns once,
+        ``SecondLookupWarning``: two lookups into one loss are two steps), and the tables take no
+        part in ``requires_grad_`` (freeze them with ``torch.no_grad()``)."""
         if isinstance(features, KeyedJaggedTensor) and features.values.is_floating_point():  # else truncated to rows
             raise TypeError(f"KeyedJaggedTensor ids must be integers, got {features.values.dtype}")
         path = self.kernel_path()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 
 from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags, TableConfig
+from neorec.embedding.path_common import SecondLookupWarning
 from neorec.native.build import native_available
 from neorec.sparse import KeyedJaggedTensor
 
@@ -69,6 +71,38 @@ def test_a_second_backward_through_a_freed_graph_raises_and_steps_nothing(kernel
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
     assert torch.equal(tbe.weights, after_one) and tbe.step_count == 1
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_a_second_lookup_before_the_first_backward_warns(kernel):
+    """Two lookups into one loss are two optimizer steps (each backward steps): said by a warning,
+    not only in a docstring. A lookup whose backward ran, whose graph was dropped, or that ran
+    under no_grad does not count, and copies or pickles of a module with a lookup pending work."""
+    if kernel == "native" and native_available() is not None:
+        pytest.skip("native kernels unavailable")
+    tbe = module([TableConfig("a", 10, 4), TableConfig("c", 5, 4)], kernel=kernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SecondLookupWarning)
+        first = tbe(batch()).values
+        first.sum().backward()
+        kept = tbe(batch()).values  # the first's output is still alive, its backward has run
+        del kept
+        dropped = tbe(batch()).values
+        del dropped  # a graph dropped without a backward
+        with torch.no_grad():
+            tbe(batch())
+        pending = tbe(batch()).values
+        twin = copy.deepcopy(tbe)
+        torch.save(tbe, io.BytesIO())
+        twin(batch()).values.sum().backward()  # the copy has no lookup pending
+    with pytest.warns(SecondLookupWarning, match="each lookup's backward is its own optimizer step"):
+        second = tbe(batch()).values
+    steps = tbe.step_count
+    (pending.sum() + second.sum()).backward()
+    assert tbe.step_count == steps + 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SecondLookupWarning)
+        tbe(batch()).values.sum().backward()
 
 
 def test_float_ids_are_refused_not_truncated():
