@@ -41,6 +41,17 @@ from neorec.embedding.precision import stochastic_round_bf16, stochastic_round_f
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _PAYLOAD_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
 # the largest magnitude each payload precision holds (beyond it a row would be stored as inf)
+class NonFiniteRowError(ValueError):
+    """A row to store holds NaN or inf: refused (a cache writing back a row that a diverged update
+    left so; the trainer turns it into its divergence error). ``store`` names the store, ``row``
+    the first such row's id (None when not known)."""
+
+    def __init__(self, store: str, row: Optional[int], where: str) -> None:
+        what = f"row {row} holds" if row is not None else "rows hold"
+        super().__init__(f"{where}: {what} NaN or inf; refusing to store {'it' if row is not None else 'them'}")
+        self.store, self.row = store, row
+
+
 _FINITE_LIMIT = {"fp16": float(torch.finfo(torch.float16).max), "bf16": float(torch.finfo(torch.bfloat16).max)}
 _INIT_ROWS_BYTES = 1 << 24  # rows per write_range chunk when filling a store: about this many bytes
 
@@ -172,14 +183,15 @@ class RowStore:
                 raise ValueError(f"{self._where()}: id {bad} is outside the rows [0, {self.num_rows})")
         return ids
 
-    def _rows(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+    def _rows(self, rows: torch.Tensor, count: int, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (count, self.dim):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise ValueError(f"{self._where()}: rows must be [{count}, {self.dim}], got {shape}")
         rows = rows.to("cpu", torch.float32)
         largest = float(rows.abs().amax()) if rows.numel() else 0.0
         if not math.isfinite(largest):
-            raise ValueError(f"{self._where()}: rows hold NaN or inf; refusing to store them")
+            first = int((~torch.isfinite(rows).all(dim=1)).to(torch.uint8).argmax())
+            raise NonFiniteRowError(self.name, int(ids[first]) if ids is not None else None, self._where())
         limit = _FINITE_LIMIT.get(self.precision)
         if limit is not None and largest > limit:
             raise ValueError(f"{self._where()}: a row holds {largest:.6g}, beyond the largest {self.precision} value "
@@ -308,7 +320,7 @@ class RowStore:
         ``ids`` [n]. What is not given stays as it was."""
         ids = self._ids(ids)
         n = ids.numel()
-        rows = self._rows(rows, n)
+        rows = self._rows(rows, n, ids)
         fmt = self.format
         if state is not None:
             state = self._state(state, n)

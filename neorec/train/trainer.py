@@ -33,9 +33,10 @@ from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
 from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.init_stream import observing_draws
 from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
+from neorec.embedding.storage import NonFiniteRowError
 from neorec.model import dense_parameters
 from neorec.train.allocator import reuse_freed_memory
-from neorec.train.divergence import non_finite_weight
+from neorec.train.divergence import NonFiniteLossError, diverged, non_finite_weight
 from neorec.train.build import (build_model, make_dense_optimizer, plan_locations, resolve_device,
                                  ssd_dir_of)
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
@@ -49,16 +50,6 @@ from neorec.train.timeline import StepTimeline, step_clock
 def run_dirs(cfg: Config) -> List[Tuple[str, str]]:
     """The folders a run writes and holds (``holding_dirs``), with their settings' names."""
     return [(cfg.train.output_dir, "train.output_dir"), (cfg.checkpoint.dir, "checkpoint.dir")]
-
-
-class NonFiniteLossError(ValueError):
-    """The training loss became NaN or infinite; training stops before the update is applied.
-
-    A ValueError (the message is for the user, no stack trace) whose command exits 1, a failed run,
-    not 2 as for a command that could not run as given.
-    """
-
-    exit_code = 1
 
 
 @dataclass
@@ -268,10 +259,7 @@ class Trainer:
             if all_reduce_sum(float(what is not None), self.distributed.dense_group, self.device) and what is None:
                 what = "an embedding row of another rank"
         if what is not None:
-            last = self.checkpointer.go_on_from() if self.checkpointer is not None else None
-            where = f"; its last complete checkpoint is of step {last[0]}: --resume {last[1]}" if last else ""
-            raise NonFiniteLossError(f"{what} is not finite after step {self.step}: the update diverged; stopping "
-                                     f"without saving it (lower the learning rates){where}")
+            raise diverged(f"{what} is not finite after step {self.step}: the update diverged", self.checkpointer)
 
     @torch.no_grad()
     def evaluate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
@@ -451,7 +439,8 @@ class Trainer:
                             break
                         if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0 \
                                 and self.step != total_steps:  # the last step's eval is the final one
-                            eval_seconds += self._eval_and_log(log, bar, epoch, window)
+                            with self._error_record(log, epoch):  # (its lookups evict cached rows too)
+                                eval_seconds += self._eval_and_log(log, bar, epoch, window)
                         step_start = time.perf_counter()
                 if self.step == 0:
                     raise ValueError("the training data yielded no batches")
@@ -459,7 +448,8 @@ class Trainer:
                     self._log_train(log, bar, window, epoch)
                 last_epoch = cfg.epochs and epoch == cfg.epochs - 1
                 if not stop and not cfg.eval_every_steps and not last_epoch:
-                    eval_seconds += self._eval_and_log(log, bar, epoch, window)
+                    with self._error_record(log, epoch):
+                        eval_seconds += self._eval_and_log(log, bar, epoch, window)
                 trained_epoch, epoch, batch_in_epoch = epoch, epoch + 1, 0
             with self._error_record(log, trained_epoch):
                 self.check_weights_finite()  # (the last step's update: no loss of a next step checks it)
@@ -468,14 +458,14 @@ class Trainer:
             train_seconds = time.perf_counter() - start - eval_seconds
             train_comm = (self.comm_stats.snapshot(), dict(self.comm_stats.calls)) if self.comm_stats else None
             bar.close()
-            final_eval = self.evaluate() if self.source.num_eval_samples() else {}  # {}: no eval set
-            if final_eval.get("nan_predictions"):  # (rows the checks above do not see: in cached stores)
-                with self._error_record(log, trained_epoch):
+            with self._error_record(log, trained_epoch):
+                final_eval = self.evaluate() if self.source.num_eval_samples() else {}  # {}: no eval set
+                if final_eval.get("nan_predictions"):  # (a last line of defence: the checks above missed it)
                     raise NonFiniteLossError(f"the final evaluation predicted NaN for {final_eval['nan_predictions']:,} "
                                              f"samples after step {self.step}: the last update diverged (lower the "
                                              f"learning rates)")
-            for collection in cached_collections(self.model):
-                collection.flush()  # every cached row back in its store
+                for collection in cached_collections(self.model):
+                    collection.flush()  # every cached row back in its store
             cache = self._cache_counters()
             qps = samples / max(train_seconds, 1e-9)
             log.write({"kind": "final", "step": self.step, "first_step": first_step, "samples": samples,
@@ -492,9 +482,16 @@ class Trainer:
     @contextlib.contextmanager
     def _error_record(self, log: MetricsLog, epoch: int, ahead: int = 0):
         """A ``NonFiniteLossError`` raised inside is written to the metrics log as an "error"
-        record (of step ``self.step + ahead``: 1 for a step that did not happen) and raised on."""
+        record (of step ``self.step + ahead``: 1 for a step that did not happen) and raised on. A
+        cache's store refusing a NaN / inf row it writes back (an update that diverged, evicted before
+        ``check_weights_finite`` saw it) becomes one too."""
         try:
             yield
+        except NonFiniteRowError as exc:
+            error = diverged(f"table {exc.store!r} row {exc.row} is not finite as its cache writes it back to its "
+                             f"store after step {self.step}: an update diverged", self.checkpointer)
+            log.write({"kind": "error", "step": self.step + ahead, "epoch": epoch, "message": str(error)})
+            raise error from exc
         except NonFiniteLossError as exc:
             log.write({"kind": "error", "step": self.step + ahead, "epoch": epoch, "message": str(exc)})
             raise
