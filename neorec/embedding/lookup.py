@@ -138,6 +138,12 @@ def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: to
     return [_prepare_group(layout, g, i, features, value_starts) for i, g in enumerate(layout.groups)]
 
 
+def index_dtype_for(num_rows: int, num_values: int) -> torch.dtype:
+    """int32 row indices and bag offsets where both fit (half the bytes), else int64: the offsets
+    count values, so a batch of 2^31 ids or more needs int64 even for a small table."""
+    return torch.int32 if max(num_rows, num_values) < 2**31 else torch.int64
+
+
 def _prepare_group(layout: TableLayout, group: DimGroup, group_index: int, features: KeyedJaggedTensor,
                    value_starts: List[int]) -> GroupLookup:
     batch_size, first, count = features.batch_size, group.feature_begin, group.num_features
@@ -145,7 +151,7 @@ def _prepare_group(layout: TableLayout, group: DimGroup, group_index: int, featu
     num_values, num_bags = hi - lo, count * batch_size
     device = features.values.device
     consts = group.tensors(device)
-    index_dtype = torch.int32 if group.num_rows < 2**31 else torch.int64
+    index_dtype = index_dtype_for(group.num_rows, num_values)
     values = features.values[lo:hi]
     lengths = features.lengths[first * batch_size : (first + count) * batch_size]
 

@@ -313,3 +313,13 @@ def test_lengths_that_do_not_sum_to_the_values_are_refused_on_the_torch_path():
         kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3, 4]), torch.tensor(lengths), validate=False)
         with pytest.raises(ValueError, match=f"its lengths sum to {total} but it holds 4 values"):
             module(kjt)
+
+
+def test_bag_offsets_are_int64_once_a_batch_has_2_31_ids():
+    """The torch path's index type followed the table's rows only: its bag offsets, which count a
+    batch's ids, would have wrapped past 2^31 ids into a small table (not run here: 16 GB of ids)."""
+    from neorec.embedding.lookup import index_dtype_for
+
+    assert index_dtype_for(1000, 2**31 - 1) == torch.int32
+    assert index_dtype_for(1000, 2**31) == torch.int64
+    assert index_dtype_for(2**31, 10) == torch.int64
