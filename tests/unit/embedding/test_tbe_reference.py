@@ -138,7 +138,7 @@ def test_native_kernels_match_reference(kind, pooling, weighted, threads, monkey
 
 def check_against_reference(kind: str, pooling: str, weighted: bool, precision: str, kernel: str, monkeypatch) -> None:
     tables = make_tables(pooling)
-    config = SparseOptimizerConfig(kind, learning_rate=0.1, weight_decay=0.01 if kind != "sgd" else 0.0,
+    config = SparseOptimizerConfig(kind, learning_rate=0.1, weight_decay=0.01,
                                    initial_accumulator_value=0.1 if "adagrad" in kind else 0.0)
     storage = StorageConfig(precision, stochastic_rounding=False)
     fused = TableBatchedEmbeddingBags(tables, config, storage, init_seed=3, kernel=kernel)
