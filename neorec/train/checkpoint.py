@@ -179,10 +179,15 @@ class Checkpointer:
                              f"another directory or move them away"
                              + ("" if resumed_here else f" (or continue that run with --resume {root})"))
 
+    def due(self) -> bool:
+        """Whether ``after_step`` will save at the trainer's current step (every ``every_steps``)."""
+        return self.root is not None and bool(self.cfg.every_steps) and self.trainer.step % self.cfg.every_steps == 0
+
     def after_step(self, epoch: int, batch_in_epoch: int) -> None:
-        """Called after every training step; saves every ``every_steps`` steps."""
+        """Called after every training step, once its records (train, eval) are written; saves
+        every ``every_steps`` steps."""
         self.position = Position(self.trainer.step, epoch, batch_in_epoch)
-        if self.root is not None and self.cfg.every_steps and self.trainer.step % self.cfg.every_steps == 0:
+        if self.due():
             self.save()
 
     def finish(self) -> None:

@@ -411,6 +411,7 @@ class Trainer:
                 # the epoch's own number of steps, the same on every rank: no rank reads past its last
                 # batch (one whose source failed there launched a look-ahead the others did not)
                 remaining = steps_per_epoch - batch_in_epoch
+                last_epoch = cfg.epochs and epoch == cfg.epochs - 1
                 if cfg.max_steps:
                     remaining = min(remaining, cfg.max_steps - self.step)
                 with PrefetchLoader(self._train_batches(epoch, batch_in_epoch),
@@ -422,34 +423,40 @@ class Trainer:
                             loss = self.train_step(batch, size, hooks)
                         samples += size
                         batch_in_epoch += 1
-                        if self.checkpointer is not None:
-                            with self._phase("checkpoint"), self._error_record(log, epoch):
-                                self.checkpointer.after_step(epoch, batch_in_epoch)
                         window["samples"] += size
                         window["loss"] += loss
                         window["steps"] += 1
                         bar.update(1)
                         stop = bool(cfg.max_steps) and self.step >= cfg.max_steps
-                        epoch_end = batch_in_epoch >= steps_per_epoch  # (its record before an eval at this step)
-                        if self.step % cfg.log_every_steps == 0 or stop or epoch_end:
+                        epoch_end = batch_in_epoch >= steps_per_epoch
+                        # a step's records (train, then eval) come before its checkpoint: a run killed between
+                        # them resumes from an earlier checkpoint and writes them again, none is lost
+                        saving = self.checkpointer is not None and self.checkpointer.due()
+                        if self.step % cfg.log_every_steps == 0 or stop or epoch_end or saving:
                             self._log_train(log, bar, window, epoch)
-                        if self.timeline is not None:  # (the saves and the logging in; an evaluation out)
-                            self.timeline.end_step(time.perf_counter() - step_start)
+                        spent = 0.0  # (the last step's eval is the final one)
+                        if not stop and self.step != total_steps and (
+                                cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0
+                                or epoch_end and not cfg.eval_every_steps and not last_epoch):
+                            with self._error_record(log, epoch):  # (its lookups evict cached rows too)
+                                spent = self._eval_and_log(log, bar, epoch, window)
+                            eval_seconds += spent
+                        if self.checkpointer is not None:
+                            with self._phase("checkpoint"), self._error_record(log, epoch):
+                                self.checkpointer.after_step(epoch, batch_in_epoch)
+                        if self.timeline is not None:  # (the save and the logging in; an evaluation out)
+                            self.timeline.end_step(time.perf_counter() - step_start - spent)
                         if stop:
                             break
-                        if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0 \
-                                and self.step != total_steps:  # the last step's eval is the final one
-                            with self._error_record(log, epoch):  # (its lookups evict cached rows too)
-                                eval_seconds += self._eval_and_log(log, bar, epoch, window)
                         step_start = time.perf_counter()
                 if self.step == 0:
                     raise ValueError("the training data yielded no batches")
-                if window["steps"] and not stop:  # the epoch's last steps: a record of their own
-                    self._log_train(log, bar, window, epoch)
-                last_epoch = cfg.epochs and epoch == cfg.epochs - 1
-                if not stop and not cfg.eval_every_steps and not last_epoch:
-                    with self._error_record(log, epoch):
-                        eval_seconds += self._eval_and_log(log, bar, epoch, window)
+                if not stop and batch_in_epoch < steps_per_epoch:  # the data ended early: the epoch's end here
+                    if window["steps"]:
+                        self._log_train(log, bar, window, epoch)
+                    if not cfg.eval_every_steps and not last_epoch:
+                        with self._error_record(log, epoch):
+                            eval_seconds += self._eval_and_log(log, bar, epoch, window)
                 trained_epoch, epoch, batch_in_epoch = epoch, epoch + 1, 0
             with self._error_record(log, trained_epoch):
                 self.check_weights_finite()  # (the last step's update: no loss of a next step checks it)

@@ -14,6 +14,7 @@ import pytest
 
 import neorec.train.trainer as trainer_module
 from neorec.config import load_config
+from neorec.train.checkpoint import Checkpointer
 from neorec.train.trainer import NonFiniteLossError, Trainer
 
 # 1000 samples / 128 = 8 steps per epoch
@@ -101,6 +102,46 @@ def test_a_resumed_run_has_one_final_record_and_keeps_the_earlier_end_as_an_eval
     assert after[0]["steps"] == after[0]["step"] - 8  # the first window after resuming counts its own steps only
     earlier = records[[r["kind"] for r in records].index("eval")]
     assert earlier["epoch"] == 0 and 0 < earlier["auc"] < 1 and "qps" not in earlier and "first_step" not in earlier
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL right after a checkpoint is complete."""
+
+
+@pytest.mark.parametrize("when", ["eval_every_steps", "epoch_end"])
+def test_a_run_killed_right_after_a_checkpoint_loses_no_record(tmp_path, monkeypatch, when):
+    """A step's checkpoint was saved before its train record and its eval: a run killed between the
+    two resumed after the step and never wrote them (the epoch's eval was lost even without a kill:
+    resuming from an epoch's last step goes on with the next epoch). The records come first now, and
+    a killed and resumed run logs what an uninterrupted one does."""
+    settings = (["train.eval_every_steps=2", "checkpoint.every_steps=2"] if when == "eval_every_steps" else
+                ["train.eval_every_steps=0", "checkpoint.every_steps=8"])  # 8 steps an epoch
+    kill_at = 4 if when == "eval_every_steps" else 8
+
+    def run(folder, resume=None):
+        return make_trainer(folder, f"checkpoint.dir='{folder / 'ckpt'}'", *settings, resume=resume)
+
+    run(tmp_path / "straight").fit()
+    after_step = Checkpointer.after_step
+
+    def killed_after_the_save(self, epoch, batch_in_epoch):
+        after_step(self, epoch, batch_in_epoch)
+        if self.trainer.step == kill_at:
+            raise Killed()
+
+    monkeypatch.setattr(Checkpointer, "after_step", killed_after_the_save)
+    with pytest.raises(Killed):
+        run(tmp_path / "killed").fit()
+    monkeypatch.setattr(Checkpointer, "after_step", after_step)
+    run(tmp_path / "killed", resume=str(tmp_path / "killed" / "ckpt")).fit()
+
+    def records(folder):
+        return [(r["kind"], r["step"], r["epoch"], r.get("steps"), r.get("loss"), r.get("auc"))
+                for r in read_log(folder) if r["kind"] != "final"]
+
+    straight = records(tmp_path / "straight")
+    assert ("eval", kill_at, 0, None) == straight[[r[:2] for r in straight].index(("eval", kill_at))][:4]
+    assert records(tmp_path / "killed") == straight
 
 
 def test_a_non_finite_loss_names_its_step_and_leaves_an_error_record(tmp_path):
