@@ -52,7 +52,7 @@ from neorec.files import TEMPORARY, write_atomic
 from neorec.train.checkpoint_files import MappedFiles, UnquantizableRowError, load_tensors, save_tensors, sha256_file
 from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces, piece_bytes, restore_pieces,
                                             save_pieces)
-from neorec.train.checkpoint_manifest import (FORMAT, MANIFEST, ResumeChoice, _chain_parts,
+from neorec.train.checkpoint_manifest import (FORMAT, MANIFEST, ResumeChoice, _chain_parts, _changed_data_settings,
                                               _changed_optimizer_settings, _manifest_digest, _read_manifest,
                                               _step_of, _table_shapes, check_resumable, checkpoint_name,
                                               find_latest_complete, job_identity, newest_saved_step,
@@ -369,6 +369,10 @@ class Checkpointer:
         if changed:
             self._say(f"resuming {path.name} with other optimizer settings than its run's, which apply from "
                       f"here: {', '.join(changed)}")
+        changed = _changed_data_settings(manifest.get("config", {}), trainer.cfg.to_dict())
+        if changed:
+            self._say(f"resuming {path.name} with other data settings than its run's: {', '.join(changed)}; the "
+                      f"samples from here are not the rest of its run's (some may be trained twice, others never)")
         global_batch = trainer.cfg.data.batch_size * self.world_size
         chain = []
         files = MappedFiles()

@@ -222,6 +222,30 @@ def _changed_optimizer_settings(saved: dict, current: dict) -> List[str]:
     return changed
 
 
+_STREAM_NEUTRAL = ("chunk_lines", "processed_dir")  # data settings that leave the samples as they are
+
+
+def _flat(settings: dict, prefix: str) -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for key, value in settings.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def _changed_data_settings(saved: dict, current: dict) -> List[str]:
+    """``key old -> new`` for each setting of the config's data source that differs from the
+    checkpoint's (its seed, sizes, files, shuffling: what its stream of samples is made of)."""
+    old, new = saved.get("data"), current.get("data", {})
+    if not old:
+        return []
+    source = new.get("source")
+    if old.get("source") != source:
+        return [f"data.source {old.get('source')!r} -> {source!r}"]
+    old, new = _flat(old.get(source, {}), f"data.{source}."), _flat(new.get(source, {}), f"data.{source}.")
+    return [f"{key} {old[key]!r} -> {new[key]!r}" for key in sorted(new)
+            if key in old and old[key] != new[key] and key.rsplit(".", 1)[1] not in _STREAM_NEUTRAL]
+
+
 def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:
     saved, current = manifest["tables"], _table_shapes(cfg, source)
     if saved != current:
@@ -230,7 +254,8 @@ def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:
                          f"(checkpoint {[saved.get(n) for n in diff]}, model {[current.get(n) for n in diff]})")
     if manifest["sparse_optimizer"] != cfg.embedding.optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
-                         f"the config {cfg.embedding.optimizer.kind!r}")
+                         f"the config {cfg.embedding.optimizer.kind!r} (set embedding.optimizer.kind = "
+                         f"{manifest['sparse_optimizer']!r})")
     saved_pooling = manifest.get("config", {}).get("model", {}).get("pooling")
     if saved_pooling is not None and saved_pooling != cfg.model.pooling:  # same shapes, another model
         raise ValueError(f"resume from {path}: checkpoint was trained with model.pooling = {saved_pooling!r}, the "

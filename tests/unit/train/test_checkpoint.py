@@ -361,7 +361,8 @@ def test_modified_row_tracking():
                                    r"checkpoint, \[16, 4\] in the model"),
     ("model.over_layers=[16, 8]", "dense weights do not fit the model"),
     ("dense_optimizer.kind='sgd'", "checkpoint has dense optimizer 'adagrad', the config 'sgd'"),
-    ("embedding.optimizer.kind='sgd'", "checkpoint has sparse optimizer 'rowwise_adagrad', the config 'sgd'"),
+    ("embedding.optimizer.kind='sgd'", r"checkpoint has sparse optimizer 'rowwise_adagrad', the config 'sgd' \(set "
+                                       r"embedding.optimizer.kind = 'rowwise_adagrad'\)"),
     ("model.pooling='mean'", r"trained with model.pooling = 'sum', the config has 'mean' \(set model.pooling"),
 ])
 def test_resume_into_a_different_model_is_refused_with_the_reason(tmp_path, change, message):
@@ -515,6 +516,24 @@ def test_a_resume_with_other_optimizer_settings_uses_them_and_says_so(tmp_path):
     assert ("checkpoint: resuming step-000000003 with other optimizer settings than its run's, which apply from "
             "here: embedding.optimizer.learning_rate 0.1 -> 0.25, dense_optimizer.learning_rate 0.05 -> 0.5, "
             "dense_optimizer.weight_decay 0.0 -> 0.001") in said, said
+
+
+def test_a_resume_with_other_data_settings_says_so(tmp_path):
+    """Another seed or skew of the data went on silently from the checkpoint's position in a
+    different stream of samples (and a different eval set); settings that leave the samples as
+    they are (the batch size, which is checked, the prefetch depth) say nothing."""
+    make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()
+    same = make_trainer(tmp_path, "train.max_steps=4", "data.prefetch_batches=1", resume=str(tmp_path / "ckpt"),
+                        name="same")
+    same.fit()
+    assert "data settings" not in same.out.getvalue()
+    changed = make_trainer(tmp_path, "train.max_steps=4", "data.synthetic.seed=99", "data.synthetic.zipf_alpha=1.5",
+                           resume=str(tmp_path / "ckpt" / "step-000000003"), name="changed")
+    changed.fit()
+    said = changed.out.getvalue()
+    assert ("checkpoint: resuming step-000000003 with other data settings than its run's: data.synthetic.seed "
+            "1234 -> 99, data.synthetic.zipf_alpha 1.05 -> 1.5; the samples from here are not the rest of its run's "
+            "(some may be trained twice, others never)") in said, said
 
 
 def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(tmp_path, monkeypatch):
