@@ -135,12 +135,13 @@ class Checkpointer:
         self._refuse_other_runs(position.step)
         if self.root is None:  # --resume reads a checkpoint; only checkpoint.dir makes a run save them
             location = Path(choice.location)
-            if _step_of(location) is not None:
-                root = str(location.parent)
-            elif (location / MANIFEST).exists():  # a checkpoint copied under a name of its own
+            folder = location.parent if _step_of(location) is not None else location
+            if (location / MANIFEST).exists() and _step_of(location) is None:  # a checkpoint copied under a name
                 root = "DIR"  # (itself would put the new step-N folders inside it)
+            elif (newest_saved_step(folder) or 0) > position.step:  # refused there: it holds this run's future
+                root = f"{folder}-from-step-{position.step}"
             else:
-                root = str(location)
+                root = str(folder)
             self._say(f"this run saves no checkpoints (checkpoint.dir is empty); to save as it goes: "
                       f"--set checkpoint.dir='\"{root}\"' --set checkpoint.every_steps=N")
         if position.batch_in_epoch >= steps_per_epoch:

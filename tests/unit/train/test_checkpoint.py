@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,22 @@ def test_resume_at_epoch_end_and_after_the_end(tmp_path):
     assert f"checkpoint: this run saves no checkpoints (checkpoint.dir is empty); to save as it goes: --set " \
            f"checkpoint.dir='\"{tmp_path / 'ckpt'}\"' --set checkpoint.every_steps=N" in again.out.getvalue()
     assert "saves no checkpoints" not in resumed.out.getvalue()
+
+
+def test_the_hint_to_save_never_names_a_folder_that_holds_later_checkpoints(tmp_path):
+    """Resumed from step 4 of a folder that also holds step 8, the hint named that folder, and a
+    run following it was refused (it holds checkpoints after the step resumed from)."""
+    make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 4)).fit()
+    rewound = make_trainer(tmp_path, "train.max_steps=5", resume=str(tmp_path / "ckpt" / "step-000000004"),
+                           name="rewound")
+    rewound.fit()
+    folder = f"{tmp_path / 'ckpt'}-from-step-4"
+    assert (f"to save as it goes: --set checkpoint.dir='\"{folder}\"' --set checkpoint.every_steps=N"
+            in rewound.out.getvalue()), rewound.out.getvalue()
+    following = make_trainer(tmp_path, "train.max_steps=6", f"checkpoint.dir='{folder}'", "checkpoint.every_steps=1",
+                             resume=str(tmp_path / "ckpt" / "step-000000004"), name="following")
+    following.fit()
+    assert checkpoint_names(Path(folder))[-1] == "step-000000006"
 
 
 def test_a_checkpoint_copied_under_a_name_is_never_made_a_checkpoint_dir(tmp_path):
