@@ -20,3 +20,15 @@ def at_least(minimum: int):
 
     parse.__name__ = f"whole number >= {minimum}"  # how argparse names the type in its errors
     return parse
+
+
+def list_of(minimum: int):
+    """An argparse ``type``: comma-separated whole numbers, each >= ``minimum`` (``--worlds 0``
+    timed nothing, or failed with a traceback after the parsing)."""
+    one = at_least(minimum)
+
+    def parse(text: str):
+        return [one(part.strip()) for part in text.split(",")]
+
+    parse.__name__ = f"comma-separated whole numbers >= {minimum}"
+    return parse

@@ -37,7 +37,7 @@ from neorec.config import load_config
 from neorec.train.checkpoint import verify_checkpoint
 from neorec.train.trainer import Trainer
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, list_of  # same folder (run as a script)
 
 MODES = {"full": (False, 32), "incr": (True, 32), "incr+q8": (True, 8), "incr+q4": (True, 4)}
 
@@ -152,21 +152,28 @@ def bytes_and_ne(args, intervals: List[int], tmp: Path, results: Dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=at_least(1), default=200, help="training steps per run")
-    parser.add_argument("--intervals", default="10,25,50", help="checkpoint every N steps (comma list)")
+    parser.add_argument("--steps", type=at_least(1), help="training steps per run (default 200; --quick 40)")
+    parser.add_argument("--intervals", type=list_of(1), help="checkpoint every N steps (comma list; default "
+                        "10,25,50; --quick 10,20)")
     parser.add_argument("--batch-size", type=at_least(1), default=512)
     parser.add_argument("--dim", type=at_least(1), default=16, help="embedding dim")
     parser.add_argument("--fraction", type=float, default=1.0, help="checkpoint.full_when_fraction_exceeds")
-    parser.add_argument("--after", type=at_least(0), default=100, help="steps trained after restoring (NE part)")
-    parser.add_argument("--repeats", type=at_least(1), default=7, help="alternating rounds of the tracking timing")
+    parser.add_argument("--after", type=at_least(0), help="steps trained after restoring (NE part; default 100; "
+                        "--quick 20)")
+    parser.add_argument("--repeats", type=at_least(1), help="alternating rounds of the tracking timing (default 7; "
+                        "--quick 3)")
     parser.add_argument("--threads", type=at_least(0), default=0, help="torch intra-op threads (0 = default)")
-    parser.add_argument("--quick", action="store_true", help="small run (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="small run (smoke test): smaller defaults of "
+                        "--steps, --intervals, --after and --repeats (options given keep their value)")
     parser.add_argument("--tracking-only", action="store_true", help="only the modified-row tracking timing")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.intervals, args.after, args.repeats = 40, "10,20", 20, 3
-    intervals = [int(x) for x in args.intervals.split(",")]
+    defaults = dict(steps=40, intervals=[10, 20], after=20, repeats=3) if args.quick else \
+        dict(steps=200, intervals=[10, 25, 50], after=100, repeats=7)  # (--quick used to override given ones)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    intervals = args.intervals
     results: Dict = {"machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
                      "args": vars(args), "bytes": [], "quantized_ne": [], "tracking": {}}
     if not args.tracking_only:

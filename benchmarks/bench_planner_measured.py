@@ -50,7 +50,7 @@ from neorec.planner.simulate import simulate
 from neorec.sharding import ShardedEmbeddingBagCollection, ShardingPlan, row_wise, table_wise
 from neorec.sparse.jagged import KeyedJaggedTensor
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, list_of  # same folder (run as a script)
 
 BATCH = 512
 VARIANTS = {  # planner runs restricted to these sharding types, plus hand-made plans (None)
@@ -207,19 +207,20 @@ def run_world(world: int, steps: int, tables: List[TableSpec], calibration_dir: 
     return {"topology": topo.to_dict(), "rows": rows}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--worlds", default="2,4", type=list_of(1), help="world sizes to calibrate, plan and "
+                        "train (default 2,4)")
     parser.add_argument("--steps", type=at_least(1), default=8)
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tables = make_tables()
     report = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
               "torch": torch.__version__, "command": " ".join(sys.argv),
               "tables": [dataclasses.asdict(t) for t in tables], "worlds": {}}
     rows = []
     with tempfile.TemporaryDirectory() as calibration_dir:
-        for world in [int(w) for w in args.worlds.split(",")]:
+        for world in args.worlds:
             report["worlds"][world] = run_world(world, args.steps, tables, calibration_dir)
             rows += report["worlds"][world]["rows"]
     summary = summarize(rows)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench_args import list_of  # same folder (run as a script)
 from neorec.config import load_config
 from neorec.data import make_data_source
 from neorec.sharding import (
@@ -146,7 +147,8 @@ def measure_speed(repeats: int, samples: int) -> Dict[str, Dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["bytes", "speed", "all"], default="all")
-    parser.add_argument("--worlds", default="2,4", help="world sizes of the byte counts (default 2,4)")
+    parser.add_argument("--worlds", default="2,4", type=list_of(1),
+                        help="world sizes of the byte counts (default 2,4)")
     parser.add_argument("--steps", type=at_least(1), default=3, help="steps averaged in the byte counts")
     parser.add_argument("--repeats", type=at_least(1), default=3, help="alternating runs of each speed contender")
     parser.add_argument("--samples", type=at_least(2048), default=153_600,
@@ -159,7 +161,7 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d")}
     if args.part in ("bytes", "all"):
         report["bytes_per_step"] = {}
-        for world in [int(w) for w in args.worlds.split(",")]:
+        for world in args.worlds:
             counts = measure_bytes(world, args.steps)
             report["bytes_per_step"][str(world)] = counts
             print(f"\nbytes sent per step, {world} ranks ({RANKS_PER_NODE} per node), summed over ranks (MB):")

@@ -145,3 +145,19 @@ def test_each_rank_builds_its_own_pieces_equal_to_the_single_process_model(tmp_p
         for key, value in single.model.state_dict().items():
             if not key.startswith("sparse_arch"):
                 assert torch.equal(result[key], value), key
+
+
+def test_the_documented_two_rank_run_of_tiny_cached_ssd_grows_no_cache(tmp_path):
+    """`neorec train --config configs/tiny_cached_ssd.toml --nproc 2`, as its comment and the README
+    give it, warned that t_feature_0's piece needed 249 distinct rows of its 224 slots (each piece
+    sees the global batch of 512): the 40% caches its comment called enough were not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "neorec", "train", "--config", str(root / "configs" / "tiny_cached_ssd.toml"),
+                          "--nproc", "2", "--max-steps", "8", "--no-progress", "--output-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr
+    assert "warning" not in run.stdout + run.stderr and "embedding cache: t_feature_0 hit rate" in run.stdout, run.stdout

@@ -444,3 +444,18 @@ def test_plan_auto_on_a_gpu_keeps_memory_for_everything_but_the_tables(monkeypat
         plan_for_training(cfg, source, 2, 2)
     memory["bytes"] = int(high / 0.85) + 1
     plan_for_training(cfg, source, 2, 2)
+
+
+def test_a_large_plan_prints_its_eight_slowest_and_eight_fastest_ranks(capsys):
+    """"-MAX_RANK_ROWS // 4" is (-16) // 4: 8 slowest and only 4 fastest ranks were printed."""
+    from types import SimpleNamespace
+
+    from neorec.planner.cli import MAX_RANK_ROWS, _print_ranks
+
+    ranks = [SimpleNamespace(rank=r, num_pieces=1, memory=SimpleNamespace(device=0, host=0, ssd=0),
+                             cost=SimpleNamespace(total=(r * 7 % 40) * 1e-3, compute=0.0, comm=0.0)) for r in range(40)]
+    _print_ranks(SimpleNamespace(ranks=lambda: ranks), all_ranks=False)
+    lines = capsys.readouterr().out.splitlines()
+    shown = sorted(float(line.split()[-1]) for line in lines[1:-1])
+    assert MAX_RANK_ROWS == 16 and shown == [float(ms) for ms in [*range(8), *range(32, 40)]]
+    assert lines[-1] == "(16 of 40 ranks: the slowest and the fastest; --all-ranks prints all)"

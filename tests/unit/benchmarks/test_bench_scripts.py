@@ -108,6 +108,8 @@ def test_planner_measured_correlates_busy_ranks_only_and_ranks_ties_by_their_mea
     ("bench_transport", ["--repeats", "0"], "--repeats"),
     ("bench_e2e", ["--repeats", "-1"], "--repeats"),
     ("bench_sharding", ["--samples", "2000"], "--samples"),  # 0 steps: --max-steps 0 = a whole epoch
+    ("bench_sharding", ["--part", "bytes", "--worlds", "0"], "--worlds"),  # printed a table of 0.000 MB
+    ("bench_planner_measured", ["--worlds", "2,0"], "--worlds"),  # a traceback after the parsing
 ])
 def test_counts_that_leave_nothing_to_time_are_usage_errors(script, argv, option, capsys):
     """--rounds 0 / --repeats 0 ran the work, then stopped on "no median for empty data"; --steps 0 on
@@ -189,3 +191,15 @@ def test_gpu_benchmarks_without_a_gpu_exit_non_zero_and_write_nothing(script, tm
     out = tmp_path / "r.json"
     assert module.main(["--out", str(out)]) == 2
     assert "no CUDA device here" in capsys.readouterr().err and not out.exists()
+
+
+def test_bench_checkpoint_quick_keeps_the_options_given(tmp_path):
+    """--quick replaced --steps, --intervals, --after and --repeats even when they were given."""
+    import json
+
+    import bench_checkpoint
+
+    out = tmp_path / "out.json"
+    bench_checkpoint.main(["--quick", "--tracking-only", "--repeats", "1", "--steps", "5", "--out", str(out)])
+    args = json.loads(out.read_text())["args"]
+    assert (args["steps"], args["repeats"], args["intervals"], args["after"]) == (5, 1, [10, 20], 20)

@@ -463,7 +463,7 @@ def test_location_config_resolves_per_table_and_rejects_mistakes():
     assert [placed[t.name].kind for t in tables] == ["cached_dram", "cached_ssd", "cached_ssd", "device"]
     assert placed["t_feature_2"].path == str(Path("runs/x/embedding_ssd") / "t_feature_2")
     assert placed["t_feature_1"].precision == "fp16" and placed["t_feature_1"].policy == "lfu"
-    assert placed["t_feature_1"].cache_shape(1000) == (416, 32)  # 40% = 400 rows -> whole 32-way sets
+    assert placed["t_feature_1"].cache_shape(1000) == (608, 32)  # 60% = 600 rows -> whole 32-way sets
     for override, message in [
         ("embedding.location.default=disk", "embedding.location.default must be one of"),
         ("embedding.location.precision=int4", "precision must be one of"),
