@@ -28,15 +28,9 @@ _FAILED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # OSErrors of a run th
 
 
 def _config_keys_help() -> str:
-    from neorec.config import iter_config_keys
+    from neorec.config_help import config_keys_help
 
-    keys = list(iter_config_keys())
-    key_width = max(len(key) for key, _, _ in keys)
-    type_width = max(len(type_name) for _, type_name, _ in keys)
-    lines = ["config keys (TOML tables / --set section.key=value), with defaults:"]
-    for key, type_name, default in keys:
-        lines.append(f"  {key:<{key_width}}  {type_name:<{type_width}}  {default!r}")
-    return "\n".join(lines)
+    return config_keys_help()
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

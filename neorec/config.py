@@ -102,7 +102,13 @@ class EmbeddingConfig:
 
 @dataclass
 class DenseOptimizerConfig:
-    """Optimizer of the MLPs: "sgd", "adagrad" or "adam" (torch.optim)."""
+    """Optimizer of the MLPs (torch.optim).
+
+    kind: "sgd", "adagrad" or "adam".
+    learning_rate: step size.
+    eps: added to the AdaGrad and Adam denominators.
+    weight_decay: L2 penalty (torch.optim's weight_decay).
+    """
 
     kind: str = "adagrad"
     learning_rate: float = 0.01

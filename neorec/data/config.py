@@ -29,9 +29,10 @@ class SyntheticConfig:
     num_embeddings: rows per table (one value for all, or a list of num_tables values).
     pooling: mean ids per bag (1 = one-hot); lengths ~ 1 + Poisson(pooling - 1), capped at
         max_pooling.
+    max_pooling: the most ids in one bag.
     zipf_alpha: id popularity skew (0 = uniform).
     num_dense: dense features.
-    num_train_samples / num_eval_samples: dataset sizes.
+    num_train_samples / num_eval_samples: dataset sizes (samples of an epoch; of the eval set).
     teacher_dim: width of the hidden teacher's embeddings.
     label_noise: temperature of the teacher's logit (higher = noisier labels).
     weighted: attach a float32 weight in (0, 1] to every id (the teacher pools with them).
@@ -112,6 +113,7 @@ class CriteoConfig:
 
     train_path / eval_path: raw TSV files (eval_path may be empty: then the last eval_fraction of
         train_path, by line order, is held out).
+    eval_fraction: the share of train_path held out for evaluation when eval_path is empty.
     processed_dir: where the binary memory-mapped form is written (defaults beside train_path:
         ``<train_path>.neorec/``); rebuilt when the TSV's size, mtime or first / last MiB change.
     num_embeddings: rows per categorical table (ids are hashed into it; row 0 = missing value).
@@ -150,13 +152,14 @@ class CriteoConfig:
 
 @dataclass
 class MovieLensConfig:
-    """MovieLens-100k as click data (label = rating >= min_rating_positive), split in time: the
-    last eval_fraction of interactions by timestamp are the eval set.
+    """MovieLens-100k as click data, split in time.
 
     path: directory holding GroupLens' ``u.data``, ``u.user``, ``u.item`` and ``u.genre`` (as
         unpacked from ml-100k.zip), or RecBole's ``<name>.inter``, ``<name>.user`` and
         ``<name>.item`` (tab-separated, typed headers such as ``user_id:token``). Nothing is
         downloaded; the default is the team's shared copy beside the repository.
+    eval_fraction: the last fraction of the interactions by timestamp is the eval set.
+    min_rating_positive: label = 1 for a rating at least this, else 0.
     seed: seed of the per-epoch shuffle of the training interactions.
     """
 
@@ -179,8 +182,13 @@ class MovieLensConfig:
 
 @dataclass
 class DataConfig:
-    """Which source feeds training, the batch sizes, and how many batches are prepared ahead by a
-    background thread (prefetch_batches; 0 = no background thread)."""
+    """Which source feeds training, the batch sizes, and the batches prepared ahead.
+
+    source: "synthetic", "criteo" or "movielens": which of the sections below is read.
+    batch_size: training samples per step and rank (the global batch is this x the ranks).
+    eval_batch_size: evaluation samples per batch and rank.
+    prefetch_batches: batches a background thread prepares ahead (0 = no background thread).
+    """
 
     source: str = "synthetic"
     batch_size: int = 1024

@@ -57,6 +57,11 @@ class SparseOptimizerConfig:
 
     kind: "sgd", "adagrad", "rowwise_adagrad" (one state value per row) or "adam" (lazy: only
         touched rows move; bias correction uses the global step count).
+    learning_rate: step size of every update.
+    eps: added to the denominator of the AdaGrad, row-wise AdaGrad and Adam updates.
+    beta1, beta2: Adam's decay rates of its first and second moment estimates.
+    weight_decay: L2 penalty: weight_decay x the row is added to each touched row's gradient.
+    initial_accumulator_value: the AdaGrad kinds' starting sum of squared gradients.
     Checked on construction, as ``torch.optim`` does: finite numbers with learning_rate > 0,
     eps, weight_decay and initial_accumulator_value >= 0, and 0 <= beta1, beta2 < 1; and eps > 0
     where a zero gradient would otherwise give 0 / 0 (Adam; AdaGrad kinds without an initial
@@ -99,8 +104,12 @@ class SparseOptimizerConfig:
 
 @dataclass
 class StorageConfig:
-    """How the weights are held: ``precision`` "fp32", "fp16" or "bf16"; low-precision updates use
-    seeded stochastic rounding when ``stochastic_rounding`` is on."""
+    """How the weights of the fused module are held.
+
+    precision: "fp32", "fp16" or "bf16" rows (pooled and updated in fp32; optimizer state fp32).
+    stochastic_rounding: round each fp16 / bf16 update stochastically (unbiased), else to nearest.
+    seed: seed of that rounding's generator (None, from Python only: drawn once).
+    """
 
     precision: str = "fp32"
     stochastic_rounding: bool = True

@@ -127,6 +127,9 @@ class LocationConfig:
 
     default: location of every table with at least ``min_rows`` rows (smaller ones stay on the
         device); ``tables`` maps table names to a location and overrides both.
+    min_rows: tables with fewer rows stay on the device whatever ``default`` says.
+    tables: {table name: location} for the tables that go elsewhere than ``default`` says.
+    cache_fraction: cache slots per cached table as a fraction of its rows (when cache_rows is 0).
     The cache and store options are those of ``TableLocation`` and apply to every cached table.
     ssd_dir: directory of the SSD stores (one sub-directory per table; per piece ``<table>@<index>``
         in a sharded run); "" = the trainer's ``<train.output_dir>/embedding_ssd``. Existing stores

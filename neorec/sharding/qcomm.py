@@ -65,8 +65,11 @@ Shape = Tuple[int, int]  # (rows, dim) of one block
 
 @dataclass
 class CommConfig:
-    """``[embedding.comm]``: codec of the pooled-embedding all-to-all in the forward and of its
-    gradient in the backward (``neorec/sharding/qcomm.py``); each one of fp32, fp16, bf16, int8."""
+    """``[embedding.comm]``: codecs of the sharded pooled-embedding exchange.
+
+    forward: codec of the pooled embeddings' all-to-all: fp32, fp16, bf16 or int8 (row-wise scale).
+    backward: codec of their gradient's all-to-all, the same choices.
+    """
 
     forward: str = "fp32"
     backward: str = "fp32"
