@@ -106,8 +106,23 @@ def preprocess_criteo(
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
     if not tsv_path.is_file():
         raise FileNotFoundError(f"Criteo TSV file not found: {tsv_path}")
-    with preprocessing_lock(tsv_path, out_dir):
-        return _preprocess(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
+    made = []  # the folders this call makes (out_dir and missing parents), deepest first
+    folder = out_dir.absolute()
+    while not folder.exists():
+        made.append(folder)
+        folder = folder.parent
+    try:
+        with preprocessing_lock(tsv_path, out_dir):
+            return _preprocess(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
+    except BaseException:
+        if made and not (out_dir / "meta.json").exists():  # (a refused input left an empty folder and a lock)
+            remove_processed(out_dir)
+            for folder in made[1:]:
+                try:
+                    folder.rmdir()  # only if empty
+                except OSError:
+                    break
+        raise
 
 
 def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malformed: bool,

@@ -133,7 +133,7 @@ def test_full_disk_names_the_file(tsv, tmp_path):
     message = str(info.value)
     assert f"writing {out / 'categorical.i32'} failed" in message and "the disk may be full" in message, message
     assert "\n" not in message
-    assert not [p for p in os.listdir(out) if ".tmp-" in p]  # the partial files are gone
+    assert not out.exists()  # the partial files are gone, and the folder this call made
     assert load_or_preprocess(tsv, out, ROWS).num_rows == 2000  # with room, it works
 
 
@@ -214,14 +214,16 @@ def test_a_compressed_tsv_is_read_through_its_decompressor(tmp_path, kind):
     (tmp_path / "cut.tsv").write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
     with pytest.raises(ValueError, match=f"cut.tsv: the {kind} stream ends early: the file is truncated"):
         preprocess_criteo(tmp_path / "cut.tsv", tmp_path / "cut", ROWS, skip_malformed=True)
-    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == []  # no temporaries left
+    assert not (tmp_path / "cut").exists() and not (tmp_path / "cut.lock").exists()  # nothing left
 
 
 def test_zstd_and_zip_files_are_refused_with_how_to_decompress_them(tmp_path):
     for name, head, tool in (("day.zst", b"\x28\xb5\x2f\xfd", "unzstd"), ("day.zip", b"PK\x03\x04", "unzip")):
         (tmp_path / name).write_bytes(head + b"\0" * 100)
         with pytest.raises(ValueError, match=rf"{name} is a \w+ file; decompress it first \(e.g. `{tool} "):
-            preprocess_criteo(tmp_path / name, tmp_path / "out", ROWS, skip_malformed=True)
+            preprocess_criteo(tmp_path / name, tmp_path / f"{name}.neorec" / "train", ROWS, skip_malformed=True)
+    # the refusal left an empty out/train folder and train.lock beside it; nothing now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.zip", "day.zst"]
 
 
 def test_rebuilding_with_wider_ids_removes_the_narrow_copy(tsv, tmp_path):
