@@ -170,11 +170,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         result.plan.save(args.out)
         print(f"sharding plan: {args.out}")
-        mixed = result.plan.device_precisions()
-        if len(mixed) > 1:
-            print(f"note: the plan stores tables at {' and '.join(sorted(mixed))}; neorec train holds every table "
-                  f"off the caches at one precision (embedding.storage.precision) and refuses it: for training, "
-                  f"plan with one (--precisions {sorted(mixed)[0]})")
+        problem = result.plan.training_precision_problem()
+        if problem is not None:  # (a plan to read, which neorec train would refuse with this)
+            print(f"note: neorec train refuses this plan: {problem.removeprefix('sharding plan: ')}")
     if args.report:
         _write_report(args.report, report)
         print(f"report: {args.report}")

@@ -276,11 +276,37 @@ class ShardingPlan:
                 out.setdefault(entry.precision, []).append(name)
         return out
 
+    def training_precision_problem(self) -> Optional[str]:
+        """Why no ``embedding.storage.precision`` can train this plan (``check_precision``'s
+        message for the likeliest one), or None when one can."""
+        errors = []
+        for precision in ("fp32", "fp16", "bf16"):
+            try:
+                self.check_precision(precision)
+                return None
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors[0]
+
     def check_precision(self, precision: str) -> "ShardingPlan":
         """No table asks for another storage precision than ``precision`` (one rank's fused module
         holds one precision), but those planned on a cached tier: their precision is their store's
-        (the cache in front is fp32). Returns self."""
+        (the cache in front is fp32), and then the fused module holds their fp32 cache slots: the
+        other tables must be fp32 too. Returns self."""
         mixed = self.device_precisions()
+        cached = sorted(name for name, entry in self.tables.items() if entry.tier in CACHED_TIERS)
+        low = sorted(kind for kind in mixed if kind != "fp32")
+        if cached and (low or precision != "fp32"):  # (no setting could train it: each rank failed after launch)
+            named = f"{cached[0]!r}" + (f" and {len(cached) - 1} more" if len(cached) > 1 else "")
+            what = (f"its tables off the caches ask for {' and '.join(low)} ({mixed[low[0]][0]!r}"
+                    + (f" and {len(mixed[low[0]]) - 1} more" if len(mixed[low[0]]) > 1 else "") + ")") if low \
+                else f"embedding.storage.precision is {precision!r}"
+            raise ValueError(
+                f"sharding plan: {'table' if len(cached) == 1 else 'tables'} {named} {'is' if len(cached) == 1 else 'are'} "
+                f"on a cached tier, whose fp32 cache slots sit in the fused module, "
+                f"and {what}; one rank's fused module holds one precision, so a plan with cached tiers trains with "
+                f"its other tables at fp32 (`neorec plan --precisions fp32`, or drop the tables' precisions from the "
+                f"plan, and embedding.storage.precision = 'fp32'); a cached table's store keeps its own precision")
         if len(mixed) > 1:  # (no embedding.storage.precision would do: the old message said to set it)
             examples = ", ".join(f"{kind}: {tables[0]!r}" + (f" and {len(tables) - 1} more" if len(tables) > 1 else "")
                                  for kind, tables in sorted(mixed.items()))

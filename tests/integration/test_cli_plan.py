@@ -179,8 +179,8 @@ def test_a_plan_of_two_device_precisions_says_that_training_needs_one(tmp_path, 
     printed = capsys.readouterr().out
     plan = ShardingPlan.load(out)
     assert set(plan.device_precisions()) == {"fp16", "fp32"}, plan.device_precisions()
-    assert "note: the plan stores tables at fp16 and fp32; neorec train holds every table off the caches at one " \
-           "precision" in printed, printed
+    assert "note: neorec train refuses this plan: its tables off the caches ask for 2 precisions (fp16: " \
+           in printed, printed
     for precision in ("fp32", "fp16"):
         with pytest.raises(ValueError, match=r"its tables off the caches ask for 2 precisions \(fp16: 't_feature_\d'"
                                              r"( and \d more)?, fp32: 't_feature_\d'( and \d more)?\).*--precisions "
@@ -459,3 +459,41 @@ def test_a_large_plan_prints_its_eight_slowest_and_eight_fastest_ranks(capsys):
     shown = sorted(float(line.split()[-1]) for line in lines[1:-1])
     assert MAX_RANK_ROWS == 16 and shown == [float(ms) for ms in [*range(8), *range(32, 40)]]
     assert lines[-1] == "(16 of 40 ranks: the slowest and the fastest; --all-ranks prints all)"
+
+
+def test_a_plan_of_cached_tiers_and_fp16_device_tables_says_that_training_needs_fp32(tmp_path, capsys):
+    """Cache slots are fp32 rows of the fused module, which holds one precision: with fp32 storage
+    training refused the fp16 tables (and said to set embedding.storage.precision), with fp16 each
+    rank refused the caches after launch; `neorec plan` had said nothing."""
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps({"batch_size": 128, "tables": [
+        {"name": f"t_feature_{i}", "num_rows": rows, "dim": 8, "pooling": 2}
+        for i, rows in enumerate([500, 1000, 200000, 300])]}))
+    topology = tmp_path / "topology.json"
+    topology.write_text(json.dumps({
+        "name": "cpu2", "num_nodes": 1, "ranks_per_node": 2, "device_memory_bytes": 2e6,
+        "device_bandwidth": 3e9, "host_dram_bytes": 1e9, "host_dram_bandwidth": 3e9, "ssd_bytes": 1e10,
+        "ssd_bandwidth": 1e9, "intra_node_bandwidth": 5e8, "inter_node_bandwidth": 5e8, "compute_flops": 5e10,
+        "collective_latency": 5e-4}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp16",
+                 "--tiers", "device,cached_ssd", "--time-limit", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = ShardingPlan.load(out)
+    assert plan.tiers_off_device() and "fp16" in plan.device_precisions(), (plan.tiers_off_device(), printed)
+    message = (r"tables? 't_feature_\d'( and \d more)? (is|are) on a cached tier, whose fp32 cache slots sit in the fused "
+               r"module, and {}; one rank's fused module holds one precision, so a plan with cached tiers trains with "
+               r"its other tables at fp32 \(`neorec plan --precisions fp32`")
+    assert re.search("note: neorec train refuses this plan: " + message.format(
+        r"its tables off the caches ask for fp16 \('t_feature_\d'( and \d more)?\)"), printed), printed
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(ValueError, match=message.format(r"its tables off the caches ask for fp16 \('t_feature_\d'"
+                                                            r"( and \d more)?\)")):
+            plan.check_precision(precision)
+    assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp32",
+                 "--tiers", "device,cached_ssd", "--time-limit", "0", "--out", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().out
+    fp32 = ShardingPlan.load(out)
+    assert fp32.tiers_off_device() and fp32.check_precision("fp32")
+    with pytest.raises(ValueError, match=message.format("embedding.storage.precision is 'bf16'")):
+        fp32.check_precision("bf16")
