@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from neorec.data.config import DataConfig
-from neorec.embedding.config import POOLINGS, SparseOptimizerConfig, StorageConfig
+from neorec.embedding.config import POOLINGS, SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.locations import CACHED_LOCATIONS, LocationConfig
 from neorec.sharding.qcomm import CommConfig
 from neorec.train.checkpoint_config import CheckpointConfig
@@ -460,9 +460,13 @@ def check_data_keys(cfg: Config) -> None:
                          "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
     cfg.embedding.location.check_table_names(data.table_names())
     location, precision = cfg.embedding.location, cfg.embedding.storage.precision
-    cached = sorted(name for name in data.table_names() if location.known_kind(name) in CACHED_LOCATIONS)
-    if precision != "fp32" and cached:
-        what = f"tables {cached}" if set(cached) <= set(location.tables) else \
+    rows = dict(zip(data.table_names(), data.synthetic.table_sizes())) if data.source == "synthetic" else \
+        {name: data.criteo.num_embeddings for name in data.table_names()} if data.source == "criteo" else {}
+    kinds = {name: location.known_kind(name) if name not in rows else
+             location.kind_of(TableConfig(name, rows[name], 1)) for name in data.table_names()}
+    cached = sorted(name for name, kind in kinds.items() if kind in CACHED_LOCATIONS)
+    if precision != "fp32" and cached:  # (every cached table named where the source's sizes are known)
+        what = f"tables {cached}" if None not in kinds.values() or set(cached) <= set(location.tables) else \
             f"embedding.location.default = {location.default!r}"
         raise ValueError(f"embedding.storage.precision = {precision!r} with cached tables ({what}): the cache "
                          f"slots live in the fused module, whose rows must then be fp32; set the stored rows' "

@@ -339,11 +339,12 @@ def test_half_precision_storage_with_cached_tables_is_refused_at_load_time(capsy
     args = ["--set", "embedding.storage.precision='fp16'", "--set", "embedding.location.default='cached_dram'"]
     assert main(["config", *args]) == 2
     err = capsys.readouterr().err
-    assert "embedding.storage.precision = 'fp16' with cached tables (embedding.location.default = " \
-           "'cached_dram')" in err and "(from the --set overrides together)" in err, err
+    assert "embedding.storage.precision = 'fp16' with cached tables (tables ['t_feature_0', 't_feature_1', " \
+           in err and "(from the --set overrides together)" in err, err
     assert main(["config", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"),
                  "--set", "embedding.storage.precision='bf16'"]) == 2
-    assert "with cached tables (tables ['t_feature_0'])" in capsys.readouterr().err
+    # every cached table (it named t_feature_0 alone: the two cached by default and min_rows were left out)
+    assert "with cached tables (tables ['t_feature_0', 't_feature_1', 't_feature_2'])" in capsys.readouterr().err
     every_table_on_the_device = "embedding.location.tables={" + ", ".join(
         f"t_feature_{i}='device'" for i in range(8)) + "}"  # the default data: 8 tables
     assert main(["config", *args, "--set", every_table_on_the_device]) == 0  # nothing is cached
