@@ -49,3 +49,7 @@ class CheckpointConfig:
         if not self.dir and asked:  # (a run would save nothing, without a word)
             raise ValueError(f"{', '.join(asked)} but checkpoint.dir is empty, which turns checkpoints off: set "
                              f"checkpoint.dir to where they go, or leave those keys at their defaults")
+        if self.dir and not self.every_steps and not self.save_final:  # (the same, the other way round)
+            raise ValueError(f"checkpoint.dir = {self.dir!r} with checkpoint.every_steps = 0 and checkpoint.save_final "
+                             f"= false: nothing would be saved there; set checkpoint.every_steps = N or "
+                             f"checkpoint.save_final = true, or leave checkpoint.dir empty")

@@ -335,6 +335,15 @@ def test_checkpoint_settings_without_a_checkpoint_dir_are_refused(setting, said)
     assert load_config(None, [setting, "checkpoint.dir='ck'"]).checkpoint.dir == "ck"
 
 
+def test_a_checkpoint_dir_that_nothing_would_be_saved_in_is_refused():
+    """checkpoint.dir with every_steps = 0 and save_final = false: the run exited 0 and the folder
+    held only its lock."""
+    with pytest.raises(ValueError, match=r"checkpoint.dir = 'ck' with checkpoint.every_steps = 0 and "
+                                         r"checkpoint.save_final = false: nothing would be saved there"):
+        load_config(None, ["checkpoint.dir='ck'", "checkpoint.save_final=false"])
+    assert load_config(None, ["checkpoint.dir='ck'", "checkpoint.save_final=false", "checkpoint.every_steps=5"])
+
+
 def test_a_leading_tilde_in_a_path_key_is_the_home_folder(monkeypatch, tmp_path):
     """No shell expands ~ inside `--set train.output_dir=~/runs` or a TOML string: a folder named
     "~" was made in the working folder while the output named ~/runs."""
