@@ -108,15 +108,15 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
     missing --resume, prefetch of cached rows without the pipeline, and, with a plan file or
     --resume, what needs the tables' sizes: rows or columns of a table no shard covers, a
     checkpoint of other tables or optimizers, or an epoch position the new batches cannot continue."""
-    from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
+    from neorec.embedding.locations import CACHED_LOCATIONS, PREFETCH_NEEDS_PIPELINE
     from neorec.sharding import ShardingPlan
 
     cfg.data.check_inputs_exist()
     if args.resume and not Path(args.resume).exists():
         raise ValueError(f"--resume: {args.resume} does not exist")
     location = cfg.embedding.location
-    if location.prefetch and not cfg.train.pipeline and any(
-            location.known_kind(name) not in (None, "device") for name in cfg.data.table_names()):
+    if location.prefetch and not cfg.train.pipeline and any(  # (only cached rows are prefetched)
+            location.known_kind(name) in CACHED_LOCATIONS for name in cfg.data.table_names()):
         raise ValueError(PREFETCH_NEEDS_PIPELINE)
     check_gpus_for_ranks(cfg.train.device, args.nproc)
     if isinstance(plan, ShardingPlan) or args.resume:
@@ -167,7 +167,7 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
     """(config, plan) of a run of ``world`` processes, ``ranks_per_node`` on each node: the plan
     file loaded and checked against the world and the config's table names (``--plan auto`` and no
     plan stay as given; the ranks check the rest once they know the tables' sizes)."""
-    from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
+    from neorec.embedding.locations import CACHED_LOCATIONS, PREFETCH_NEEDS_PIPELINE
     from neorec.sharding import ShardingPlan
     from neorec.sharding.validation import check_plan_nodes, check_plan_pieces, check_plan_tables
 
@@ -188,7 +188,8 @@ def _config_and_plan(args: argparse.Namespace, world: int, ranks_per_node: int):
                 raise ValueError(f"sharding plan: data-parallel tables {replicas_off} are placed off the device by "
                                  f"[embedding.location]; every rank would hold a whole replica in a store of its own: "
                                  f"keep them on the device (embedding.location.tables) or shard them another way")
-            if cfg.embedding.location.prefetch and not cfg.train.pipeline and plan.tiers_off_device():
+            if cfg.embedding.location.prefetch and not cfg.train.pipeline and \
+                    set(plan.tiers_off_device().values()) & set(CACHED_LOCATIONS):
                 raise ValueError(PREFETCH_NEEDS_PIPELINE)
         except ValueError as exc:
             raise ValueError(f"{exc} ({args.plan})") from None

@@ -201,7 +201,8 @@ class Trainer:
         tables = self.source.tables(cfg.model.embedding_dim, cfg.model.pooling)
         self.plan = plan if plan is not None else default_plan(tables, context.world_size, context.local_world_size)
         locations = plan_locations(cfg, tables, self.plan)
-        if locations is not None and cfg.embedding.location.prefetch and not cfg.train.pipeline:
+        if locations is not None and any(location.cached for location in locations.values()) and \
+                cfg.embedding.location.prefetch and not cfg.train.pipeline:
             raise ValueError(PREFETCH_NEEDS_PIPELINE)
         if locations is not None and any(location.kind == "cached_ssd" for location in locations.values()):
             ensure_writable_dir(ssd_dir_of(cfg), "embedding.location.ssd_dir (the plan's cached_ssd tables)")

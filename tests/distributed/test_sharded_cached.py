@@ -161,3 +161,19 @@ def test_the_documented_two_rank_run_of_tiny_cached_ssd_grows_no_cache(tmp_path)
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr
     assert "warning" not in run.stdout + run.stderr and "embedding cache: t_feature_0 hit rate" in run.stdout, run.stdout
+
+
+def test_prefetch_without_the_pipeline_trains_when_no_table_is_cached(tmp_path):
+    """Only cached rows are prefetched: tables in host DRAM with prefetch on and --no-pipeline were
+    refused as if cached rows needed the pipeline's look-ahead (one process accepted it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "neorec", "train", "--config", str(root / "configs" / "tiny.toml"),
+                          "--nproc", "2", "--no-pipeline", "--max-steps", "3", "--no-progress", "--output-dir",
+                          str(tmp_path), "--set", "embedding.location.default='dram'",
+                          "--set", "embedding.location.prefetch=true"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0 and "final eval: AUC" in run.stdout, run.stderr

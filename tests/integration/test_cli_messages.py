@@ -197,6 +197,11 @@ def test_nproc_checks_the_config_and_plan_once_before_starting_ranks(tmp_path, c
     err = capsys.readouterr().err  # its cached tables are sharded: their rows are prefetched only by the pipeline
     assert err.count("\n") == 1 and "embedding.location.prefetch = true in a sharded run needs train.pipeline = true" \
         in err, err
+    # tables in host DRAM, none cached: nothing to prefetch, nothing to refuse (it was refused as above); the
+    # ranks are started (test_sharded_cached trains it)
+    assert main(["train", "--config", str(TINY), "--nproc", "2", "--no-pipeline", "--output-dir", str(tmp_path / "dram"),
+                 "--set", "embedding.location.default='dram'", "--set", "embedding.location.prefetch=true"]) == 1
+    assert "ranks were started for a command that cannot run" in capsys.readouterr().err
 
 
 def test_nproc_checks_table_sizes_against_the_plan_and_the_checkpoint_once(tmp_path, capsys, monkeypatch):
