@@ -40,7 +40,8 @@ from neorec.embedding.precision import stochastic_round_bf16, stochastic_round_f
 
 ROW_PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 _PAYLOAD_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
-# the largest magnitude each payload precision holds (beyond it a row would be stored as inf)
+
+
 class NonFiniteRowError(ValueError):
     """A row to store holds NaN or inf: refused (a cache writing back a row that a diverged update
     left so; the trainer turns it into its divergence error). ``store`` names the store, ``row``
@@ -52,6 +53,7 @@ class NonFiniteRowError(ValueError):
         self.store, self.row = store, row
 
 
+# the largest magnitude each payload precision holds (beyond it a row would be stored as inf)
 _FINITE_LIMIT = {"fp16": float(torch.finfo(torch.float16).max), "bf16": float(torch.finfo(torch.bfloat16).max)}
 _INIT_ROWS_BYTES = 1 << 24  # rows per write_range chunk when filling a store: about this many bytes
 

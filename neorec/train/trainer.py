@@ -496,7 +496,8 @@ class Trainer:
         try:
             yield
         except NonFiniteRowError as exc:
-            error = diverged(f"table {exc.store!r} row {exc.row} is not finite as its cache writes it back to its "
+            row = f"row {exc.row}" if exc.row is not None else "a row"
+            error = diverged(f"table {exc.store!r} {row} is not finite as its cache writes it back to its "
                              f"store after step {self.step}: an update diverged", self.checkpointer)
             log.write({"kind": "error", "step": self.step + ahead, "epoch": epoch, "message": str(error)})
             raise error from exc
