@@ -111,18 +111,16 @@ def preprocess_criteo(
     while not folder.exists():
         made.append(folder)
         folder = folder.parent
-    try:
-        with preprocessing_lock(tsv_path, out_dir):
+    with preprocessing_lock(tsv_path, out_dir):
+        try:
             return _preprocess(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
-    except BaseException:
-        if made and not (out_dir / "meta.json").exists():  # (a refused input left an empty folder and a lock)
-            remove_processed(out_dir)
-            for folder in made[1:]:
-                try:
-                    folder.rmdir()  # only if empty
+        except BaseException:  # (a refused input left an empty folder): still under the lock, and only
+            for folder in made:  # empty folders, so no other process's build is touched; the lock file
+                try:             # stays (unlinked, a process waiting on it would build beside a newcomer)
+                    folder.rmdir()
                 except OSError:
                     break
-        raise
+            raise
 
 
 def _preprocess(tsv_path: Path, out_dir: Path, num_embeddings: int, skip_malformed: bool,

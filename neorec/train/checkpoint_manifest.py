@@ -222,7 +222,8 @@ def _changed_optimizer_settings(saved: dict, current: dict) -> List[str]:
     return changed
 
 
-_STREAM_NEUTRAL = ("chunk_lines", "processed_dir")  # data settings that leave the samples as they are
+# data settings that leave the training samples as they are: the preprocessing's own, and the eval set's
+_STREAM_NEUTRAL = ("chunk_lines", "processed_dir", "num_eval_samples")
 
 
 def _flat(settings: dict, prefix: str) -> Dict[str, object]:
@@ -242,8 +243,17 @@ def _changed_data_settings(saved: dict, current: dict) -> List[str]:
     if old.get("source") != source:
         return [f"data.source {old.get('source')!r} -> {source!r}"]
     old, new = _flat(old.get(source, {}), f"data.{source}."), _flat(new.get(source, {}), f"data.{source}.")
-    return [f"{key} {old[key]!r} -> {new[key]!r}" for key in sorted(new)
-            if key in old and old[key] != new[key] and key.rsplit(".", 1)[1] not in _STREAM_NEUTRAL]
+
+    def same(key: str) -> bool:
+        name, before, after = key.rsplit(".", 1)[1], old[key], new[key]
+        if name.endswith("path") and isinstance(before, str) and isinstance(after, str):
+            if name == "eval_path" and before and after:
+                return True  # another eval file: the training samples are the same
+            return before == after or bool(before and after) and \
+                os.path.realpath(os.path.expanduser(before)) == os.path.realpath(os.path.expanduser(after))
+        return before == after or name in _STREAM_NEUTRAL
+
+    return [f"{key} {old[key]!r} -> {new[key]!r}" for key in sorted(new) if key in old and not same(key)]
 
 
 def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:

@@ -439,8 +439,7 @@ class Trainer:
                         if not stop and self.step != total_steps and (
                                 cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0
                                 or epoch_end and not cfg.eval_every_steps and not last_epoch):
-                            with self._error_record(log, epoch):  # (its lookups evict cached rows too)
-                                spent = self._eval_and_log(log, bar, epoch, window)
+                            spent = self._eval_and_log(log, bar, epoch, window)
                             eval_seconds += spent
                         if self.checkpointer is not None:
                             with self._phase("checkpoint"), self._error_record(log, epoch):
@@ -456,8 +455,7 @@ class Trainer:
                     if window["steps"]:
                         self._log_train(log, bar, window, epoch)
                     if not cfg.eval_every_steps and not last_epoch:
-                        with self._error_record(log, epoch):
-                            eval_seconds += self._eval_and_log(log, bar, epoch, window)
+                        eval_seconds += self._eval_and_log(log, bar, epoch, window)
                 trained_epoch, epoch, batch_in_epoch = epoch, epoch + 1, 0
             with self._error_record(log, trained_epoch):
                 self.check_weights_finite()  # (the last step's update: no loss of a next step checks it)

@@ -553,6 +553,23 @@ def test_a_resume_with_other_data_settings_says_so(tmp_path):
             "(some may be trained twice, others never)") in said, said
 
 
+def test_data_settings_that_leave_the_training_samples_as_they_are_are_not_named():
+    """The eval set's size, another eval file and another spelling of the same training file had
+    been named as a change of the samples ("some may be trained twice, others never")."""
+    from neorec.train.checkpoint_manifest import _changed_data_settings
+
+    def changed(before, after):
+        return _changed_data_settings(load_config(None, before).to_dict(), load_config(None, after).to_dict())
+
+    assert changed([], ["data.synthetic.num_eval_samples=50000", "data.prefetch_batches=1"]) == []
+    criteo = ["data.source='criteo'", "data.criteo.train_path='day_0.tsv'", "data.criteo.eval_path='e.tsv'"]
+    assert changed(criteo, [*criteo, "data.criteo.train_path='./day_0.tsv'", "data.criteo.eval_path='e2.tsv'",
+                            "data.criteo.chunk_lines=64"]) == []
+    assert changed(criteo, [*criteo, "data.criteo.train_path='day_1.tsv'", "data.criteo.eval_path=''"]) == [
+        "data.criteo.eval_path 'e.tsv' -> ''", "data.criteo.train_path 'day_0.tsv' -> 'day_1.tsv'"]
+    assert changed([], ["data.source='movielens'"]) == ["data.source 'synthetic' -> 'movielens'"]
+
+
 def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(tmp_path, monkeypatch):
     """A full disk stopped the run with a bare "[Errno 28] No space left on device" and the usage
     exit code 2: no step, no path, no word of the checkpoint to go on from."""
