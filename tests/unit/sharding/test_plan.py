@@ -271,8 +271,9 @@ def test_a_cached_tier_takes_the_plans_precision_into_its_store():
     plan = replace(replace(good_plan(), "a", TablePlan("row_wise", good_plan().tables["a"].shards, precision="fp16",
                                                          tier="cached_dram")),
                    "b", TablePlan("column_wise", good_plan().tables["b"].shards, precision="fp16", tier="dram"))
-    with pytest.raises(ValueError, match="table 'b' asks for precision 'fp16'"):  # dram: the host module's
-        plan.check_precision("fp32")
+    with pytest.raises(ValueError, match=r"table 'a' is on a cached tier, whose fp32 cache slots sit in the fused "
+                                         r"module, and its tables off the caches ask for fp16 \('b'\)"):
+        plan.check_precision("fp32")  # dram: the host module's, at the one precision of a rank's modules
     plan = replace(plan, "b", TablePlan("column_wise", good_plan().tables["b"].shards, tier="dram"))
     assert plan.check_precision("fp32") is plan  # a's fp16 is its store's
     cfg = load_config(None, ["embedding.location.precision='int8'"])
