@@ -159,20 +159,27 @@ def test_plan_file_keeps_the_tier_that_training_places(tmp_path, capsys):
         plan.validate(tables, 2, tiers=("device",))
 
 
+def tiny_planning_inputs(tmp_path, rows, batch_size, device_memory, host_dram, ssd):
+    """tables.json (t_feature_i of ``rows``, dim 8, pooling 2) and topology.json (1 node of 2 CPU
+    ranks) for `neorec plan`."""
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps({"batch_size": batch_size, "tables": [
+        {"name": f"t_feature_{i}", "num_rows": n, "dim": 8, "pooling": 2} for i, n in enumerate(rows)]}))
+    topology = tmp_path / "topology.json"
+    topology.write_text(json.dumps({
+        "name": "cpu2", "num_nodes": 1, "ranks_per_node": 2, "device_memory_bytes": device_memory,
+        "device_bandwidth": 3e9, "host_dram_bytes": host_dram, "host_dram_bandwidth": 3e9, "ssd_bytes": ssd,
+        "ssd_bandwidth": 1e9 if ssd else 0, "intra_node_bandwidth": 5e8, "inter_node_bandwidth": 5e8,
+        "compute_flops": 5e10, "collective_latency": 5e-4}))
+    return tables, topology
+
+
 def test_a_plan_of_two_device_precisions_says_that_training_needs_one(tmp_path, capsys):
     """With --precisions fp32,fp16 and a device too small for all fp32, the plan stores some
     tables at fp16: neorec train refused it whatever embedding.storage.precision said, and its
     message said to set that precision."""
-    tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps({"batch_size": 256, "tables": [
-        {"name": f"t_feature_{i}", "num_rows": rows, "dim": 8, "pooling": 2}
-        for i, rows in enumerate([500, 1000, 2000, 300])]}))
-    topology = tmp_path / "topology.json"
-    topology.write_text(json.dumps({
-        "name": "cpu2", "num_nodes": 1, "ranks_per_node": 2, "device_memory_bytes": 170000.0,
-        "device_bandwidth": 3e9, "host_dram_bytes": 12e9, "host_dram_bandwidth": 3e9, "ssd_bytes": 0,
-        "ssd_bandwidth": 0, "intra_node_bandwidth": 5e8, "inter_node_bandwidth": 5e8, "compute_flops": 5e10,
-        "collective_latency": 5e-4}))
+    tables, topology = tiny_planning_inputs(tmp_path, [500, 1000, 2000, 300], 256, device_memory=170000.0,
+                                            host_dram=12e9, ssd=0)
     out = tmp_path / "plan.json"
     assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp32,fp16",
                  "--time-limit", "0", "--out", str(out)]) == 0
@@ -465,16 +472,8 @@ def test_a_plan_of_cached_tiers_and_fp16_device_tables_says_that_training_needs_
     """Cache slots are fp32 rows of the fused module, which holds one precision: with fp32 storage
     training refused the fp16 tables (and said to set embedding.storage.precision), with fp16 each
     rank refused the caches after launch; `neorec plan` had said nothing."""
-    tables = tmp_path / "tables.json"
-    tables.write_text(json.dumps({"batch_size": 128, "tables": [
-        {"name": f"t_feature_{i}", "num_rows": rows, "dim": 8, "pooling": 2}
-        for i, rows in enumerate([500, 1000, 200000, 300])]}))
-    topology = tmp_path / "topology.json"
-    topology.write_text(json.dumps({
-        "name": "cpu2", "num_nodes": 1, "ranks_per_node": 2, "device_memory_bytes": 2e6,
-        "device_bandwidth": 3e9, "host_dram_bytes": 1e9, "host_dram_bandwidth": 3e9, "ssd_bytes": 1e10,
-        "ssd_bandwidth": 1e9, "intra_node_bandwidth": 5e8, "inter_node_bandwidth": 5e8, "compute_flops": 5e10,
-        "collective_latency": 5e-4}))
+    tables, topology = tiny_planning_inputs(tmp_path, [500, 1000, 200000, 300], 128, device_memory=2e6,
+                                            host_dram=1e9, ssd=1e10)
     out = tmp_path / "plan.json"
     assert main(["plan", "--tables", str(tables), "--topology", str(topology), "--precisions", "fp16",
                  "--tiers", "device,cached_ssd", "--time-limit", "0", "--out", str(out)]) == 0
