@@ -542,13 +542,20 @@ class SetAssociativeCache:
             self._executor.shutdown(wait=True)
             self._executor = None
 
-    def close(self) -> None:
-        """Flush, stop the worker thread and close the store."""
+    def close(self, flush: bool = True) -> None:
+        """Flush (unless ``flush`` is False), stop the worker thread and close the store; a flush
+        that fails (a store refusing a diverged row) still stops the thread and closes the store,
+        then raises."""
         if self.store.closed:
             return
-        self.flush()
-        self.shutdown()
-        self.store.close()
+        try:
+            if flush:
+                self.flush()
+        finally:
+            try:
+                self.shutdown()
+            finally:
+                self.store.close()
 
     def __repr__(self) -> str:
         return (f"SetAssociativeCache(name={self.name!r}, slots={self.num_slots}, sets={self.num_sets}, "

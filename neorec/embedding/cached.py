@@ -500,12 +500,23 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
 
     def close(self) -> None:
         """Flush and close every store; the collection cannot train afterwards. Closing again does
-        nothing (as for caches, stores and the trainer)."""
+        nothing (as for caches, stores and the trainer). A flush that fails (a store refusing a row
+        that a diverged update left NaN) still closes every store and stops every worker thread,
+        then raises its error: they had stayed open and locked, and a second close did nothing."""
         if all(cache.store.closed for cache in self.caches.values()):
             return
-        self.flush()
+        errors = []
+        try:
+            self.flush()
+        except BaseException as exc:  # (the stores keep what their last good writes left)
+            errors.append(exc)
         for cache in self.caches.values():
-            cache.close()
+            try:
+                cache.close(flush=False)
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def cache_stats(self) -> Dict[str, Dict[str, float]]:
         """{table: cache counters + the store's row/byte counters (prefixed "store_")}."""

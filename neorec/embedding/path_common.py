@@ -4,11 +4,16 @@ forward pools through the path and whose backward runs the path's fused optimize
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
+from pathlib import Path
 from typing import List
 
 import torch
+
+import neorec
 
 from neorec.sparse.jagged import KeyedJaggedTensor
 
@@ -38,6 +43,9 @@ def check_weights_need_no_grad(features: KeyedJaggedTensor) -> None:
                          "differentiate with respect to per-value weights; pass weights.detach()")
 
 
+_INTERNAL = tuple(str(Path(package.__file__).parent) + os.sep for package in (neorec, torch))
+
+
 class SecondLookupWarning(UserWarning):
     """A table-batched module was looked up again while an earlier lookup's backward was still to
     come: each backward is its own optimizer step."""
@@ -65,7 +73,10 @@ class PendingLookups:
     def started(self, ctx) -> None:
         last = self._last() if self._last is not None else None
         if last is not None and not getattr(last, "stepped", True):
-            warnings.warn(SECOND_LOOKUP, SecondLookupWarning, stacklevel=4)
+            frame, level = sys._getframe(0), 1  # the warning names the first caller outside neorec and torch
+            while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+                frame, level = frame.f_back, level + 1
+            warnings.warn(SECOND_LOOKUP, SecondLookupWarning, stacklevel=level)
         ctx.stepped = False
         self._last = weakref.ref(ctx)
 

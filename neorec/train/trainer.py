@@ -337,14 +337,19 @@ class Trainer:
 
     def close(self) -> None:
         """Flush and close the row stores of cached tables (their files stay, unlocked: another run
-        or process may open them); the trainer cannot train or evaluate afterwards. Idempotent.
-        Without it a trainer kept alive held its SSD stores, and a second trainer of the same
-        config in the process was refused them. (After a failed or interrupted step nothing is
-        flushed: the stores are working storage, remade by the next run; checkpoints hold rows.)"""
+        or process may open them; a trainer kept alive held them, and a second trainer of the same
+        config in the process was refused them); the trainer cannot train or evaluate afterwards.
+        Idempotent. A flush refused after a diverged run still closes every store, then raises."""
         if not self.closed:
             self.closed = True
-            for collection in cached_collections(self.model):
-                collection.close()
+            errors = []
+            for collection in cached_collections(self.model):  # (each closes all its stores, then raises)
+                try:
+                    collection.close()
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
 
     def fit(self) -> TrainResult:
         """Train for ``train.epochs`` epochs (or ``train.max_steps`` steps, whichever ends first),
@@ -487,10 +492,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _error_record(self, log: MetricsLog, epoch: int, ahead: int = 0):
-        """A ``NonFiniteLossError`` raised inside is written to the metrics log as an "error"
-        record (of step ``self.step + ahead``: 1 for a step that did not happen) and raised on. A
-        cache's store refusing a NaN / inf row it writes back (an update that diverged, evicted before
-        ``check_weights_finite`` saw it) becomes one too."""
+        """A ``NonFiniteLossError`` raised inside (or a store's ``NonFiniteRowError``: a diverged row a
+        cache wrote back) goes to the log as an "error" record of step ``self.step + ahead`` and on."""
         try:
             yield
         except NonFiniteRowError as exc:

@@ -207,6 +207,7 @@ def test_flush_between_forward_and_backward_keeps_the_update(tmp_path):
     assert_same_tables(reference, cached)
 
 
+@pytest.mark.filterwarnings("ignore::neorec.embedding.path_common.SecondLookupWarning")  # (two lookups, on purpose)
 def test_backward_after_a_later_forward_raises_before_updating(tmp_path):
     optimizer = SparseOptimizerConfig("sgd", 0.1)
     cached = CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))

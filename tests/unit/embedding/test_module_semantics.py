@@ -95,8 +95,9 @@ def test_a_second_lookup_before_the_first_backward_warns(kernel):
         twin = copy.deepcopy(tbe)
         torch.save(tbe, io.BytesIO())
         twin(batch()).values.sum().backward()  # the copy has no lookup pending
-    with pytest.warns(SecondLookupWarning, match="each lookup's backward is its own optimizer step"):
+    with pytest.warns(SecondLookupWarning, match="each lookup's backward is its own optimizer step") as caught:
         second = tbe(batch()).values
+    assert [w.filename for w in caught] == [__file__]  # the caller's line, not one inside neorec or torch
     steps = tbe.step_count
     (pending.sum() + second.sum()).backward()
     assert tbe.step_count == steps + 2

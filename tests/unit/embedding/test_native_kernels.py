@@ -213,6 +213,7 @@ def test_empty_huge_gives_a_plain_tensor_on_advised_pages():
         assert advise_huge_pages(torch.empty(MIN_BYTES // 4))
 
 
+@pytest.mark.filterwarnings("ignore::neorec.embedding.path_common.SecondLookupWarning")  # (two lookups, on purpose)
 def test_native_backward_refuses_ids_changed_after_the_forward():
     """Ids changed in place between forward and backward are an error, never an update of other
     rows than were looked up: autograd's version check, and behind it (a change through ``.data``

@@ -119,6 +119,7 @@ def test_layout_is_sorted_by_dim_and_contiguous_per_group():
     assert t16.abs().max() <= bound and t16.std() > bound / 3
 
 
+@pytest.mark.filterwarnings("ignore::neorec.embedding.path_common.SecondLookupWarning")  # (two lookups, on purpose)
 def test_out_of_range_and_negative_ids_are_rejected():
     fused = TableBatchedEmbeddingBags(make_tables("sum"), SparseOptimizerConfig())
     keys = ["f_a1", "f_a2", "f_b", "f_c", "f_d"]
@@ -157,6 +158,7 @@ def test_missing_feature_and_bad_tables_are_rejected():
         fused.get_table_weight("nope")
 
 
+@pytest.mark.filterwarnings("ignore::neorec.embedding.path_common.SecondLookupWarning")  # (two lookups, on purpose)
 def test_collection_exposes_features_and_matches_its_tbe():
     tables = make_tables("mixed")
     collection = EmbeddingBagCollection(tables, SparseOptimizerConfig("adagrad"), init_seed=4)

@@ -170,6 +170,7 @@ def check_against_reference(kind: str, pooling: str, weighted: bool, precision: 
                                            atol=1e-6, msg=f"{name} of {t.name}, step {step}")
 
 
+@pytest.mark.filterwarnings("ignore::neorec.embedding.path_common.SecondLookupWarning")  # (two lookups, on purpose)
 def test_keys_superset_and_permutation_give_same_result():
     tables = make_tables("mixed")
     generator = torch.Generator().manual_seed(5)

@@ -71,3 +71,22 @@ def test_the_trainer_reports_a_refused_write_back_as_divergence(tmp_path):
         trainer.fit()
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["kind"] == "error" and last["step"] == 3 and "is not finite as its cache writes it back" in last["message"]
+
+
+def test_closing_after_a_diverged_row_closes_every_store_and_raises_once(tmp_path):
+    """close() raised at the first store refusing a NaN row and closed nothing: every store stayed
+    open and locked (a cached_ssd one of another table too), its prefetch threads ran on, and a
+    second close() did nothing."""
+    collection = CachedEmbeddingBagCollection(
+        [TableConfig("t", 100, 4, ["f"]), TableConfig("u", 100, 4, ["g"])], SparseOptimizerConfig("sgd", 0.1),
+        init_seed=1, locations={"t": TableLocation("cached_dram", cache_rows=8, ways=8),
+                                "u": TableLocation("cached_ssd", cache_rows=8, ways=8, path=str(tmp_path / "u"),
+                                                   background_prefetch=True)})
+    kjt = KeyedJaggedTensor(["f", "g"], torch.tensor([3, 5]), torch.ones(2, dtype=torch.long))
+    collection(kjt).values.sum().backward()
+    t = collection.caches["t"]
+    t.weights[int((t.slot_rows == 3).nonzero()[0]), 0] = float("nan")
+    with pytest.raises(NonFiniteRowError, match="row store 't': row 3 holds NaN or inf"):
+        collection.close()
+    assert all(cache.store.closed and cache._executor is None for cache in collection.caches.values())
+    collection.close()  # nothing left to close, nothing raised
