@@ -57,9 +57,9 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise ValueError(f"--resume: {args.resume} does not exist")
     with holding_dirs(run_dirs(cfg)):  # another run on these folders: said now; fit() holds them for the run
         pass
-    trainer = Trainer(cfg, resume=args.resume)
-    _print_header(cfg, trainer)
-    with _terminate_raises():
+    with _terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
+        trainer = Trainer(cfg, resume=args.resume)
+        _print_header(cfg, trainer)
         try:
             result = trainer.fit()
         except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
