@@ -75,6 +75,40 @@ class CheckpointWriteError(OSError):
     exit_code = 1
 
 
+def refuse_other_runs(root: Optional[Path], cfg: CheckpointConfig, resumed_step: Optional[int] = None,
+                      resumed_from: Optional[Path] = None) -> None:
+    """Stop before training when ``checkpoint.dir`` holds complete checkpoints of another run:
+    any, for a fresh run or one resumed from elsewhere; those after the resumed step, for a run
+    resumed from ``checkpoint.dir`` itself (the rewound run's future). Saving beside them would
+    let ``keep_last`` prune the wrong ones and a later ``--resume`` mix the two runs. Torn or
+    corrupt ones do not count: resuming skips them and this run overwrites them. ``neorec train``
+    calls it before building the model for a run without --resume (a refusal came after minutes of
+    building and a filled SSD store otherwise)."""
+    if root is None or not root.is_dir() or not (cfg.every_steps or cfg.save_final):
+        return
+    if (root / MANIFEST).exists():
+        raise ValueError(f"checkpoint.dir {root} is a checkpoint itself (it holds {MANIFEST}): this run would "
+                         f"save its step-N folders inside it; set checkpoint.dir to a folder of its own")
+    resumed_here = resumed_step is not None and resumed_from is not None and (
+        resumed_from.parent.resolve() == root.resolve())
+    after = resumed_step if resumed_here else -1
+    steps = {p: _step_of(p) for p in root.iterdir() if p.is_dir()}
+    candidates = sorted((p for p, step in steps.items() if step is not None and step > after
+                         and (p / MANIFEST).exists()), key=steps.get, reverse=True)
+    for path in candidates:
+        try:
+            verify_checkpoint(path)
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+        names = ", ".join(p.name for p in candidates[:3]) + (", ..." if len(candidates) > 3 else "")
+        what = (f"checkpoints after step {resumed_step}, the one resumed from ({names}): the future of the "
+                f"run being rewound" if resumed_here else f"checkpoints of another run ({names})")
+        raise ValueError(f"checkpoint.dir {root} already holds {what}. Saving beside them would let keep_last "
+                         f"prune the wrong ones and a later --resume mix the two runs: set checkpoint.dir to "
+                         f"another directory or move them away"
+                         + ("" if resumed_here else f" (or continue that run with --resume {root})"))
+
+
 class Checkpointer:
     """Saves and restores a ``Trainer``'s complete state; see the module docstring."""
 
@@ -150,35 +184,7 @@ class Checkpointer:
         return position
 
     def _refuse_other_runs(self, resumed_step: Optional[int]) -> None:
-        """Stop before training when ``checkpoint.dir`` holds complete checkpoints of another run:
-        any, for a fresh run or one resumed from elsewhere; those after the resumed step, for a run
-        resumed from ``checkpoint.dir`` itself (the rewound run's future). Saving beside them would
-        let ``keep_last`` prune the wrong ones and a later ``--resume`` mix the two runs. Torn or
-        corrupt ones do not count: resuming skips them and this run overwrites them."""
-        root = self.root
-        if root is None or not root.is_dir() or not (self.cfg.every_steps or self.cfg.save_final):
-            return
-        if (root / MANIFEST).exists():
-            raise ValueError(f"checkpoint.dir {root} is a checkpoint itself (it holds {MANIFEST}): this run would "
-                             f"save its step-N folders inside it; set checkpoint.dir to a folder of its own")
-        resumed_here = resumed_step is not None and self.resumed_from is not None and (
-            self.resumed_from.parent.resolve() == root.resolve())
-        after = resumed_step if resumed_here else -1
-        steps = {p: _step_of(p) for p in root.iterdir() if p.is_dir()}
-        candidates = sorted((p for p, step in steps.items() if step is not None and step > after
-                             and (p / MANIFEST).exists()), key=steps.get, reverse=True)
-        for path in candidates:
-            try:
-                verify_checkpoint(path)
-            except (ValueError, KeyError, TypeError, OSError):
-                continue
-            names = ", ".join(p.name for p in candidates[:3]) + (", ..." if len(candidates) > 3 else "")
-            what = (f"checkpoints after step {resumed_step}, the one resumed from ({names}): the future of the "
-                    f"run being rewound" if resumed_here else f"checkpoints of another run ({names})")
-            raise ValueError(f"checkpoint.dir {root} already holds {what}. Saving beside them would let keep_last "
-                             f"prune the wrong ones and a later --resume mix the two runs: set checkpoint.dir to "
-                             f"another directory or move them away"
-                             + ("" if resumed_here else f" (or continue that run with --resume {root})"))
+        refuse_other_runs(self.root, self.cfg, resumed_step, self.resumed_from)
 
     def due(self) -> bool:
         """Whether ``after_step`` will save at the trainer's current step (every ``every_steps``)."""

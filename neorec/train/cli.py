@@ -49,6 +49,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.plan is not None:
         raise ValueError("--plan needs several processes: --nproc 2 or more, or start with torchrun")
     from neorec.files import holding_dirs
+    from neorec.train.checkpoint import refuse_other_runs
     from neorec.train.trainer import Trainer, run_dirs
 
     cfg = _train_config(args)
@@ -57,6 +58,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise ValueError(f"--resume: {args.resume} does not exist")
     with holding_dirs(run_dirs(cfg)):  # another run on these folders: said now; fit() holds them for the run
         pass
+    if args.resume is None:  # checkpoints of another run in checkpoint.dir: said before the build too
+        refuse_other_runs(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None, cfg.checkpoint)
     with _terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
         trainer = Trainer(cfg, resume=args.resume)
         _print_header(cfg, trainer)
@@ -114,6 +117,10 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
     cfg.data.check_inputs_exist()
     if args.resume and not Path(args.resume).exists():
         raise ValueError(f"--resume: {args.resume} does not exist")
+    if args.resume is None:  # (each rank would say it after building its pieces and stores)
+        from neorec.train.checkpoint import refuse_other_runs
+
+        refuse_other_runs(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None, cfg.checkpoint)
     location = cfg.embedding.location
     if location.prefetch and not cfg.train.pipeline and any(  # (only cached rows are prefetched)
             location.known_kind(name) in CACHED_LOCATIONS for name in cfg.data.table_names()):

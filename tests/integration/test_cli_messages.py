@@ -603,3 +603,25 @@ def test_sigterm_while_the_model_is_built_says_so_and_leaves_no_half_made_store(
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 143 and "neorec train: SIGTERM received; stopped" in run.stderr, run.stderr
     assert not [p.name for p in (tmp_path / "run" / "embedding_ssd").iterdir() if ".tmp" in p.name]
+
+
+def test_checkpoints_of_another_run_are_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    """The refusal came from fit(), after the model was built and its SSD stores made and filled
+    (minutes, and a file the size of the table, for a large one); `--nproc` ranks said it each."""
+    import neorec.train.launch as launch
+
+    ckpt = ["--set", f"checkpoint.dir='{tmp_path / 'ckpt'}'", "--set", "checkpoint.every_steps=2"]
+    cached = ["--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--no-progress", "--max-steps", "2"]
+    assert main(["train", *cached, "--output-dir", str(tmp_path / "first"), *ckpt]) == 0
+    capsys.readouterr()
+    assert main(["train", *cached, "--output-dir", str(tmp_path / "second"), *ckpt]) == 2
+    assert "already holds checkpoints of another run (step-000000002)" in capsys.readouterr().err
+    assert not (tmp_path / "second" / "embedding_ssd").exists()  # no store was made
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started for a command that cannot run")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    assert main(["train", *cached, "--nproc", "2", "--output-dir", str(tmp_path / "third"), *ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds checkpoints of another run" in err, err
