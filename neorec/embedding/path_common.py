@@ -14,7 +14,6 @@ from typing import List
 import torch
 
 import neorec
-
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 
