@@ -460,8 +460,7 @@ def check_data_keys(cfg: Config) -> None:
                          "Criteo TSV file (e.g. one written by `neorec data write-criteo`)")
     cfg.embedding.location.check_table_names(data.table_names())
     location, precision = cfg.embedding.location, cfg.embedding.storage.precision
-    rows = dict(zip(data.table_names(), data.synthetic.table_sizes())) if data.source == "synthetic" else \
-        {name: data.criteo.num_embeddings for name in data.table_names()} if data.source == "criteo" else {}
+    rows = data.known_table_rows()
     kinds = {name: location.known_kind(name) if name not in rows else
              location.kind_of(TableConfig(name, rows[name], 1)) for name in data.table_names()}
     cached = sorted(name for name, kind in kinds.items() if kind in CACHED_LOCATIONS)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 DATA_SOURCES = ("synthetic", "criteo", "movielens")
 MAX_ROWS = 2**48  # rows of one table: far beyond any memory, well inside int64 ids and sizes
@@ -205,6 +205,15 @@ class DataConfig:
             raise ValueError("data.batch_size and data.eval_batch_size must be > 0")
         if self.prefetch_batches < 0:
             raise ValueError(f"data.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+
+    def known_table_rows(self) -> Dict[str, int]:
+        """{table: rows} where the config alone says them (synthetic, Criteo); {} for a source whose
+        tables are sized by its data (MovieLens)."""
+        if self.source == "synthetic":
+            return dict(zip(self.table_names(), self.synthetic.table_sizes()))
+        if self.source == "criteo":
+            return {name: self.criteo.num_embeddings for name in self.table_names()}
+        return {}
 
     def table_names(self) -> List[str]:
         """The tables the chosen source makes (``t_<feature>``), known before any data is read."""

@@ -75,7 +75,7 @@ class CheckpointWriteError(OSError):
     exit_code = 1
 
 
-def refuse_other_runs(root: Optional[Path], cfg: CheckpointConfig, resumed_step: Optional[int] = None,
+def refuse_other_runs(cfg: CheckpointConfig, resumed_step: Optional[int] = None,
                       resumed_from: Optional[Path] = None) -> None:
     """Stop before training when ``checkpoint.dir`` holds complete checkpoints of another run:
     any, for a fresh run or one resumed from elsewhere; those after the resumed step, for a run
@@ -84,6 +84,7 @@ def refuse_other_runs(root: Optional[Path], cfg: CheckpointConfig, resumed_step:
     corrupt ones do not count: resuming skips them and this run overwrites them. ``neorec train``
     calls it before building the model for a run without --resume (a refusal came after minutes of
     building and a filled SSD store otherwise)."""
+    root = Path(cfg.dir) if cfg.dir else None
     if root is None or not root.is_dir() or not (cfg.every_steps or cfg.save_final):
         return
     if (root / MANIFEST).exists():
@@ -184,7 +185,7 @@ class Checkpointer:
         return position
 
     def _refuse_other_runs(self, resumed_step: Optional[int]) -> None:
-        refuse_other_runs(self.root, self.cfg, resumed_step, self.resumed_from)
+        refuse_other_runs(self.cfg, resumed_step, self.resumed_from)
 
     def due(self) -> bool:
         """Whether ``after_step`` will save at the trainer's current step (every ``every_steps``)."""

@@ -59,7 +59,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with holding_dirs(run_dirs(cfg)):  # another run on these folders: said now; fit() holds them for the run
         pass
     if args.resume is None:  # checkpoints of another run in checkpoint.dir: said before the build too
-        refuse_other_runs(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None, cfg.checkpoint)
+        refuse_other_runs(cfg.checkpoint)
     with _terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
         trainer = Trainer(cfg, resume=args.resume)
         _print_header(cfg, trainer)
@@ -120,7 +120,7 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
     if args.resume is None:  # (each rank would say it after building its pieces and stores)
         from neorec.train.checkpoint import refuse_other_runs
 
-        refuse_other_runs(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None, cfg.checkpoint)
+        refuse_other_runs(cfg.checkpoint)
     location = cfg.embedding.location
     if location.prefetch and not cfg.train.pipeline and any(  # (only cached rows are prefetched)
             location.known_kind(name) in CACHED_LOCATIONS for name in cfg.data.table_names()):
