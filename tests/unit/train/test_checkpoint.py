@@ -373,38 +373,6 @@ def test_modified_row_tracking():
     assert tbe.take_modified_rows("a").tolist() == changed.tolist() == [3, 9]
 
 
-@pytest.mark.parametrize("change, message", [
-    ("model.dense_layers=[16, 4]", r"dense weights do not fit the model \(dense_arch.mlp.0.weight \[8, 4\] in the "
-                                   r"checkpoint, \[16, 4\] in the model"),
-    ("model.over_layers=[16, 8]", "dense weights do not fit the model"),
-    ("dense_optimizer.kind='sgd'", "checkpoint has dense optimizer 'adagrad', the config 'sgd'"),
-    ("embedding.optimizer.kind='sgd'", r"checkpoint has sparse optimizer 'rowwise_adagrad', the config 'sgd' \(set "
-                                       r"embedding.optimizer.kind = 'rowwise_adagrad'\)"),
-    ("model.pooling='mean'", r"trained with model.pooling = 'sum', the config has 'mean' \(set model.pooling"),
-])
-def test_resume_into_a_different_model_is_refused_with_the_reason(tmp_path, change, message):
-    make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2)).fit()
-    with pytest.raises(ValueError, match=message):
-        make_trainer(tmp_path, "train.max_steps=4", change, resume=str(tmp_path / "ckpt"), name="resumed").fit()
-
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_resume_an_fp32_checkpoint_into_half_precision_rows(tmp_path, precision):
-    trainer = make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3))
-    trainer.fit()
-    restored = make_trainer(tmp_path, "train.max_steps=3", f"embedding.storage.precision='{precision}'",
-                            resume=str(tmp_path / "ckpt"), name="restored")
-    restored.fit()  # nothing left to train: the rows are the checkpoint's, rounded to the storage type
-    assert restored.step == 3
-    assert "nothing left to train: resumed at step 3, and the run ends at step 3" in restored.out.getvalue()
-    assert "restart from their seed" in restored.out.getvalue()  # the fp32 run had no rounding generator
-    dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
-    for table in trainer.model.sparse_arch.tbe.tables:
-        saved = trainer.model.sparse_arch.tbe.get_table_weight(table.name)
-        back = restored.model.sparse_arch.tbe.get_table_weight(table.name)
-        assert torch.equal(back.float(), saved.to(dtype).float()), table.name
-
-
 def test_missing_base_of_an_increment_is_named(tmp_path):
     extra = ["checkpoint.incremental=true", "checkpoint.full_when_fraction_exceeds=100.0", "checkpoint.keep_last=10"]
     make_trainer(tmp_path, "train.max_steps=4", *checkpoint_args(tmp_path, 2, *extra)).fit()
@@ -423,37 +391,6 @@ def test_unwritable_output_is_refused_before_training(tmp_path, setting):
         make_trainer(tmp_path, f"{setting}='{blocker / 'sub'}'")
     with pytest.raises(ValueError, match=f"{setting} '.*a_file' is a file, not a directory"):
         make_trainer(tmp_path, f"{setting}='{blocker}'")
-
-
-def test_resume_with_a_global_batch_that_does_not_divide_the_epoch_suggests_one(tmp_path):
-    make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()  # 3 x 128 samples done
-    with pytest.raises(ValueError, match=r"384 samples of epoch 0 .* global batches of 256 .*; e.g. "
-                                         r"data.batch_size=192 on 1 rank\(s\) continues it"):
-        make_trainer(tmp_path, "data.batch_size=256", resume=str(tmp_path / "ckpt"), name="r256").fit()
-    resumed = make_trainer(tmp_path, "data.batch_size=192", "train.max_steps=4", resume=str(tmp_path / "ckpt"),
-                           name="r192")
-    assert resumed.fit().samples == 192 and resumed.step == 4
-
-
-def test_resume_at_the_end_of_an_epoch_takes_any_global_batch(tmp_path):
-    """An epoch of 1000 samples in batches of 128 ends with a short batch of 104: a checkpoint
-    there continues with the next epoch whatever the new global batch (here 100)."""
-    make_trainer(tmp_path, "train.max_steps=8", *checkpoint_args(tmp_path, 8)).fit()  # the whole epoch 0
-    resumed = make_trainer(tmp_path, "data.batch_size=100", "train.max_steps=9", resume=str(tmp_path / "ckpt"),
-                           name="r100")
-    assert resumed.fit().samples == 100 and resumed.step == 9
-    assert resumed.checkpointer.position.epoch == 1 and resumed.checkpointer.position.batch_in_epoch == 1
-
-
-def test_a_resume_with_another_global_batch_counts_what_is_left_in_its_own_batches(tmp_path):
-    """Step 12 of batches of 128 (epoch 1, 512 samples in) resumed with batches of 256: 2 steps are
-    left (to step 14), but the end step was counted as 2 epochs of the new batches (8): "nothing
-    left to train ... ends at step 8", then it trained, past its progress bar's total."""
-    make_trainer(tmp_path, "train.max_steps=12", *checkpoint_args(tmp_path, 12)).fit()
-    resumed = make_trainer(tmp_path, "data.batch_size=256", resume=str(tmp_path / "ckpt"), name="r256")
-    result = resumed.fit()
-    assert resumed.step == 14 and result.samples == 2 * 256 - 24  # the epoch's last batch is short
-    assert "nothing left to train" not in resumed.out.getvalue()
 
 
 def test_config_or_plan_given_a_directory_says_so(tmp_path):
@@ -518,56 +455,6 @@ def test_checkpoints_are_taken_when_min_rows_keeps_every_table_on_the_device(tmp
     trainer.fit()
     assert type(trainer.model.sparse_arch) is EmbeddingBagCollection
     verify_checkpoint(tmp_path / "ckpt" / "step-000000003")
-
-
-def test_a_resume_with_other_optimizer_settings_uses_them_and_says_so(tmp_path):
-    """The dense optimizer took the checkpoint's learning rate, eps and weight decay over the
-    config's (the sparse one follows the config), silently."""
-    make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()
-    changed = ["dense_optimizer.learning_rate=0.5", "dense_optimizer.weight_decay=0.001",
-               "embedding.optimizer.learning_rate=0.25"]
-    resumed = make_trainer(tmp_path, "train.max_steps=6", *changed, resume=str(tmp_path / "ckpt"), name="resumed")
-    resumed.fit()
-    assert [(g["lr"], g["weight_decay"]) for g in resumed.dense_optimizer.param_groups] == [(0.5, 0.001)]
-    said = resumed.out.getvalue()
-    assert ("checkpoint: resuming step-000000003 with other optimizer settings than its run's, which apply from "
-            "here: embedding.optimizer.learning_rate 0.1 -> 0.25, dense_optimizer.learning_rate 0.05 -> 0.5, "
-            "dense_optimizer.weight_decay 0.0 -> 0.001") in said, said
-
-
-def test_a_resume_with_other_data_settings_says_so(tmp_path):
-    """Another seed or skew of the data went on silently from the checkpoint's position in a
-    different stream of samples (and a different eval set); settings that leave the samples as
-    they are (the batch size, which is checked, the prefetch depth) say nothing."""
-    make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()
-    same = make_trainer(tmp_path, "train.max_steps=4", "data.prefetch_batches=1", resume=str(tmp_path / "ckpt"),
-                        name="same")
-    same.fit()
-    assert "data settings" not in same.out.getvalue()
-    changed = make_trainer(tmp_path, "train.max_steps=4", "data.synthetic.seed=99", "data.synthetic.zipf_alpha=1.5",
-                           resume=str(tmp_path / "ckpt" / "step-000000003"), name="changed")
-    changed.fit()
-    said = changed.out.getvalue()
-    assert ("checkpoint: resuming step-000000003 with other data settings than its run's: data.synthetic.seed "
-            "1234 -> 99, data.synthetic.zipf_alpha 1.05 -> 1.5; the samples from here are not the rest of its run's "
-            "(some may be trained twice, others never)") in said, said
-
-
-def test_data_settings_that_leave_the_training_samples_as_they_are_are_not_named():
-    """The eval set's size, another eval file and another spelling of the same training file had
-    been named as a change of the samples ("some may be trained twice, others never")."""
-    from neorec.train.checkpoint_manifest import _changed_data_settings
-
-    def changed(before, after):
-        return _changed_data_settings(load_config(None, before).to_dict(), load_config(None, after).to_dict())
-
-    assert changed([], ["data.synthetic.num_eval_samples=50000", "data.prefetch_batches=1"]) == []
-    criteo = ["data.source='criteo'", "data.criteo.train_path='day_0.tsv'", "data.criteo.eval_path='e.tsv'"]
-    assert changed(criteo, [*criteo, "data.criteo.train_path='./day_0.tsv'", "data.criteo.eval_path='e2.tsv'",
-                            "data.criteo.chunk_lines=64"]) == []
-    assert changed(criteo, [*criteo, "data.criteo.train_path='day_1.tsv'", "data.criteo.eval_path=''"]) == [
-        "data.criteo.eval_path 'e.tsv' -> ''", "data.criteo.train_path 'day_0.tsv' -> 'day_1.tsv'"]
-    assert changed([], ["data.source='movielens'"]) == ["data.source 'synthetic' -> 'movielens'"]
 
 
 def test_a_checkpoint_that_cannot_be_written_says_which_one_and_where_to_resume(tmp_path, monkeypatch):

@@ -1,0 +1,143 @@
+"""What `neorec train` says and leaves when it is stopped (Ctrl-C, SIGTERM, while building or
+training) and what it refuses before the model is built (a missing --resume, folders in use,
+another run's checkpoints). Split from test_cli_messages.py."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from neorec.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+@pytest.mark.parametrize("signum, code, why", [(2, 130, "interrupted"), (15, 143, "SIGTERM received; stopped")])
+def test_a_stopped_single_process_run_says_where_and_how_to_resume(tmp_path, signum, code, why):
+    """Ctrl-C or SIGTERM of `neorec train`: the step it stopped after and the checkpoint to resume
+    from (SIGTERM killed the process without a word)."""
+    import os
+    import sys
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.Popen([sys.executable, "-m", "neorec", "train", "--config", str(TINY), "--no-progress",
+                            "--output-dir", str(tmp_path / "run"), "--set", "train.epochs=1000",
+                            "--set", f"checkpoint.dir='{ckpt}'", "--set", "checkpoint.every_steps=5"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, NEOREC_TRACEBACK=""))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ckpt.glob("step-*/manifest.json")) and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)  # a complete checkpoint (its folder appears before it is complete)
+        run.send_signal(signum)
+        try:
+            _, err = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            out, err = run.communicate()
+            pytest.fail(f"the run did not stop within 60 s of signal {signum}; its stderr:\n{err[-4000:]}\n"
+                        f"stdout:\n{out[-2000:]}")
+    finally:
+        run.kill()
+    assert run.returncode == code, err
+    assert why in err, err
+    stopped = [line for line in err.splitlines() if line.startswith("neorec train: stopped after step ")]
+    assert len(stopped) == 1 and "its last checkpoint is of step " in stopped[0], err
+    assert f"--resume {ckpt} goes on from there" in stopped[0], err
+
+
+def test_a_stop_right_after_a_checkpoints_manifest_names_that_checkpoint(tmp_path):
+    """A Ctrl-C between a checkpoint's manifest and the end of its save (pruning, the barrier) said
+    "no checkpoint saved yet" though a complete one was on disk (seen once as a flaky test above)."""
+    import types
+
+    from neorec.train.cli import _resume_hint
+
+    root = tmp_path / "ckpt"
+    (root / "step-000000005").mkdir(parents=True)
+    (root / "step-000000005" / "manifest.json").write_text("{}")
+    from neorec.train.checkpoint import Checkpointer
+
+    checkpointer = types.SimpleNamespace(root=root, last_saved_step=None, last_complete=None)
+    checkpointer.go_on_from = lambda: Checkpointer.go_on_from(checkpointer)
+    trainer = types.SimpleNamespace(checkpointer=checkpointer, cfg=types.SimpleNamespace(
+        checkpoint=types.SimpleNamespace(dir=str(root))))
+    assert _resume_hint(trainer) == f"; its last checkpoint is of step 5: --resume {root} goes on from there"
+    checkpointer.last_saved_step = 10  # saved in this run and not yet on disk as the newest: the run's own word
+    checkpointer.last_complete = root / "step-000000010"
+    assert "of step 10" in _resume_hint(trainer)
+    (root / "step-000000005" / "manifest.json").unlink()
+    checkpointer.last_saved_step = checkpointer.last_complete = None
+    assert _resume_hint(trainer) == " (no checkpoint saved yet)"
+
+
+def test_a_missing_resume_or_a_folder_in_use_is_said_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    """One process: both were refused only after the model was built and the header printed (a
+    large model takes minutes to build); the --nproc launcher already said them first."""
+    import neorec.train.trainer as trainer_module
+    from neorec.files import hold_dir
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built for a command that cannot run")
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", no_build)
+    out = tmp_path / "out"
+    common = ["train", "--config", str(TINY), "--no-progress", "--set", f"train.output_dir='{out}'"]
+    assert main([*common, "--resume", str(tmp_path / "nockpt")]) == 2
+    assert capsys.readouterr().err == f"neorec train: error: --resume: {tmp_path / 'nockpt'} does not exist\n"
+    held = hold_dir(out, "train.output_dir")  # another run (here: another descriptor) holds the folder
+    try:
+        assert main(common) == 2
+        err = capsys.readouterr().err
+        assert f"train.output_dir '{out}' is in use by another run (process {os.getpid()})" in err, err
+    finally:
+        os.close(held)
+
+
+def test_sigterm_while_the_model_is_built_says_so_and_leaves_no_half_made_store(tmp_path):
+    """The handler was installed for fit() only: SIGTERM while the tables' stores were filled (minutes
+    for a large table) killed the run without a word and left the store's temporary folder (458 MB in
+    the audit's run); Ctrl-C at the same point was reported and cleaned up."""
+    import sys
+
+    script = tmp_path / "terminated_while_filling.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import neorec.embedding.storage as storage\n"
+        "fill = storage.RowStore.write_range\n"
+        "def terminated(self, *args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stopping the job\n"
+        "    return fill(self, *args, **kwargs)\n"
+        "storage.RowStore.write_range = terminated\n"
+        "from neorec.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    run = subprocess.run([sys.executable, str(script), "train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"),
+                          "--no-progress", "--output-dir", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 143 and "neorec train: SIGTERM received; stopped" in run.stderr, run.stderr
+    assert not [p.name for p in (tmp_path / "run" / "embedding_ssd").iterdir() if ".tmp" in p.name]
+
+
+def test_checkpoints_of_another_run_are_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    """The refusal came from fit(), after the model was built and its SSD stores made and filled
+    (minutes, and a file the size of the table, for a large one); `--nproc` ranks said it each."""
+    import neorec.train.launch as launch
+
+    ckpt = ["--set", f"checkpoint.dir='{tmp_path / 'ckpt'}'", "--set", "checkpoint.every_steps=2"]
+    cached = ["--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--no-progress", "--max-steps", "2"]
+    assert main(["train", *cached, "--output-dir", str(tmp_path / "first"), *ckpt]) == 0
+    capsys.readouterr()
+    assert main(["train", *cached, "--output-dir", str(tmp_path / "second"), *ckpt]) == 2
+    assert "already holds checkpoints of another run (step-000000002)" in capsys.readouterr().err
+    assert not (tmp_path / "second" / "embedding_ssd").exists()  # no store was made
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started for a command that cannot run")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    assert main(["train", *cached, "--nproc", "2", "--output-dir", str(tmp_path / "third"), *ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds checkpoints of another run" in err, err
