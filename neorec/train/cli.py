@@ -11,11 +11,8 @@ here into one line and an exit code.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -23,7 +20,7 @@ from typing import List, Optional, Sequence
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.distributed import launched_by_torchrun
-    from neorec.train.launch import Terminated, started_by_a_launcher
+    from neorec.train.launch import Terminated, started_by_a_launcher, terminate_raises
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -60,7 +57,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         pass
     if args.resume is None:  # checkpoints of another run in checkpoint.dir: said before the build too
         refuse_other_runs(cfg.checkpoint)
-    with _terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
+    with terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
         trainer = Trainer(cfg, resume=args.resume)
         _print_header(cfg, trainer)
         try:
@@ -75,23 +72,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     trainer.close()  # its row stores flushed and unlocked
     _print_result(result)
     return 0
-
-
-@contextlib.contextmanager
-def _terminate_raises():
-    """SIGTERM / SIGHUP raise ``Terminated`` in a single-process run (as Ctrl-C raises
-    KeyboardInterrupt), so that it ends through the same report instead of dying silently."""
-    from neorec.train.launch import _raise_terminated
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, _raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _resume_hint(trainer) -> str:

@@ -16,6 +16,7 @@ clean up (SIGKILL), so no rank outlives it. For several nodes use torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 _POLL_SECONDS = 0.1
 _STOP_SECONDS = 5.0
@@ -69,8 +70,10 @@ def _stop(processes: List[subprocess.Popen]) -> None:
             p.wait()
 
 
-class Terminated(Exception):
-    """The launcher received SIGTERM or SIGHUP."""
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP was received (while ``terminate_raises`` was in force). Like
+    KeyboardInterrupt, not an ``Exception``: an ``except Exception`` meant for errors (a batch that
+    failed to load, a library's fallback) does not take a stop for one."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -102,8 +105,41 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+_received: List[int] = []  # the signals ``terminate_raises`` took, in order
+
+
 def _raise_terminated(signum, frame) -> None:
+    _received.append(signum)
     raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise ``Terminated`` in the main thread within (as Ctrl-C raises
+    KeyboardInterrupt), so that a run stopped by a scheduler ends through the same report instead of
+    dying without a word. The previous handlers come back on leaving. Off the main thread, where no
+    handler can be installed, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _received.clear()
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _received.clear()
+
+
+def check_terminated() -> None:
+    """Raise ``Terminated`` if SIGTERM / SIGHUP came within ``terminate_raises``: the trainer calls it
+    at every step. A handler's exception can be lost: Python runs a handler wherever the main thread
+    is, and one raised inside a finalizer (``__del__``, a weakref callback, a generator closed by the
+    garbage collector) is only printed; code that catches broadly drops it. (A CI run trained on
+    for a minute after its SIGTERM, without a word; where its exception went was not found.)"""
+    if _received:
+        raise Terminated(_received[0])
 
 
 def _how_it_ended(returncode: int) -> str:
@@ -125,11 +161,12 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     port = free_port()
+    with terminate_raises():
+        return _start_and_watch(nproc, argv, module, port)
+
+
+def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) -> int:
     processes: List[subprocess.Popen] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         for rank in range(nproc):
             env = rank_environment(rank, nproc, port)
@@ -152,10 +189,5 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(_POLL_SECONDS)
-    except (KeyboardInterrupt, Terminated):
+    finally:  # (also on Ctrl-C, SIGTERM, SIGHUP: every rank is stopped)
         _stop(processes)
-        raise
-    finally:
-        _stop(processes)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)

@@ -37,10 +37,10 @@ from neorec.embedding.storage import NonFiniteRowError
 from neorec.model import dense_parameters
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.divergence import NonFiniteLossError, diverged, non_finite_weight
-from neorec.train.build import (build_model, make_dense_optimizer, plan_locations, resolve_device,
-                                 ssd_dir_of)
+from neorec.train.build import build_model, make_dense_optimizer, plan_locations, resolve_device, ssd_dir_of
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
                                       split_batch, threads_per_rank)
+from neorec.train.launch import check_terminated
 from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
 from neorec.train.metrics_log import MetricsLog
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps
@@ -93,16 +93,9 @@ class Trainer:
     DistributedDataParallel, ``data.batch_size`` is per rank, and only rank 0 prints and writes
     the metrics log. ``comm_stats`` counts the bytes of the embedding collectives."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        source: Optional[DataSource] = None,
-        out: Optional[TextIO] = None,
-        distributed: Optional[DistributedContext] = None,
-        plan=None,
-        comm_stats=None,
-        resume: Optional[str] = None,
-    ) -> None:
+    def __init__(self, cfg: Config, source: Optional[DataSource] = None, out: Optional[TextIO] = None,
+                 distributed: Optional[DistributedContext] = None, plan=None, comm_stats=None,
+                 resume: Optional[str] = None) -> None:
         self.cfg = cfg
         self.out = out if out is not None else sys.stdout
         self.distributed = distributed
@@ -278,6 +271,7 @@ class Trainer:
         for i, batch in enumerate(self.source.eval_batches(self.cfg.data.eval_batch_size * world)):
             if limit and i >= limit:
                 break
+            check_terminated()
             if self.distributed is not None:
                 batch = split_batch(batch, self.distributed.rank, world)
             batch = batch.to(self.device)
@@ -425,6 +419,7 @@ class Trainer:
                         self._step_stream(loader, remaining) as steps:
                     step_start = time.perf_counter()  # not the previous epoch's evaluation
                     for batch, size, hooks in steps:
+                        check_terminated()  # a SIGTERM whose exception was lost (raised in a finalizer)
                         with self._error_record(log, epoch, 1):
                             loss = self.train_step(batch, size, hooks)
                         samples += size
