@@ -18,18 +18,26 @@ from neorec.data.config import CriteoConfig
 ROWS = 1000
 GOOD = "\t".join(["1"] + ["5"] * 13 + ["0a0b0c0d"] * 26)
 
-# a process that preprocesses slowly (1.5 s before the real work) once told to go
+# a process that, once told to go, loads the processed copy; the one that preprocesses it starts
+# only once the other waits for the lock (or after 60 s: then both build, and the test fails); a
+# fixed 1.5 s head start was a race on a loaded host
 CHILD = """
 import os, sys, time
 from pathlib import Path
 from neorec.data import criteo
 tsv, out, me, go = sys.argv[1:5]
-real = criteo.preprocess_criteo
+real, notice = criteo.preprocess_criteo, criteo._notice
+def waiting(text):
+    if "waiting for another process" in text:
+        Path(me + ".waiting").touch()
+    notice(text)
 def slow(*args, **kwargs):
     Path(me + ".built").touch()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60
+    while not list(Path(me).parent.glob("c*.waiting")) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return real(*args, **kwargs)
-criteo.preprocess_criteo = slow
+criteo._notice, criteo.preprocess_criteo = waiting, slow
 Path(me + ".ready").touch()
 while not os.path.exists(go):
     time.sleep(0.01)

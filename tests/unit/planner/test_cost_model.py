@@ -299,18 +299,24 @@ def test_int8_communication_carries_each_rows_min_and_step():
     assert int8.output_comm == pytest.approx(20 * (64 + 8) / 2)  # 20 global rows of 64 bytes + 8, half leave
 
 
-def test_calibration_timings_leave_out_what_runs_before_each_call():
+def test_calibration_timings_leave_out_what_runs_before_each_call(monkeypatch):
     """The calibrated collective latency timed a barrier with each all-to-all (about twice the
-    all-to-all alone); ``before`` runs untimed ahead of each timed call."""
-    import time
+    all-to-all alone); ``before`` runs untimed ahead of each timed call. A clock of the test's own:
+    ``fn`` takes 1 ms of it, ``before`` 50 ms (a real clock made the check depend on the host's load)."""
+    import types
 
-    from neorec.planner.calibrate import median_seconds
+    from neorec.planner import calibrate
 
-    calls = []
-    seconds = median_seconds(lambda: calls.append("fn"), repeats=3, before=lambda: (calls.append("before"),
-                                                                                    time.sleep(0.05)))
+    now, calls = [0.0], []
+
+    def spend(name, seconds):
+        calls.append(name)
+        now[0] += seconds
+
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    seconds = calibrate.median_seconds(lambda: spend("fn", 0.001), repeats=3, before=lambda: spend("before", 0.05))
     assert calls == ["fn", "before", "fn", "before", "fn", "before", "fn"]
-    assert seconds < 0.01
+    assert seconds == pytest.approx(0.001, abs=1e-12)
 
 
 def test_a_cpu_topology_counts_the_host_tiers_in_the_same_memory():
