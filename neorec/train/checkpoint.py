@@ -132,6 +132,7 @@ class Checkpointer:
         self.last_saved_step: Optional[int] = None
         self.position = Position()
         self.resumed_from: Optional[Path] = None  # the checkpoint restored, if any
+        self.restoring: Optional[Tuple[int, Path]] = None  # (step, path) while a checkpoint is being restored
         self.last_complete: Optional[Path] = None  # the newest complete checkpoint of this run (restored or saved)
         self.bytes_written: List[dict] = []  # one record per save (kind, bytes) for benchmarks
 
@@ -144,9 +145,11 @@ class Checkpointer:
             newest = newest_saved_step(self.root)
             if newest is not None:
                 found.append((newest, str(self.root)))
-        if self.last_complete is not None and self.last_saved_step is not None:
-            here = self.root is not None and self.last_complete.parent.resolve() == self.root.resolve()
-            found.append((self.last_saved_step, str(self.root) if here else str(self.last_complete)))
+        mine = ((self.last_saved_step, self.last_complete) if self.last_complete is not None
+                and self.last_saved_step is not None else self.restoring)  # (stopped while restoring it)
+        if mine is not None:
+            here = self.root is not None and mine[1].parent.resolve() == self.root.resolve()
+            found.append((mine[0], str(self.root) if here else str(mine[1])))
         return max(found, key=lambda item: item[0]) if found else None  # (a tie: checkpoint.dir, first)
 
     def _say(self, text: str) -> None:
@@ -373,6 +376,7 @@ class Checkpointer:
             path, manifest = found
         trainer = self.trainer
         samples_in_epoch = check_resumable(manifest, path, trainer.cfg, trainer.source, self.world_size)
+        self.restoring = (int(manifest["step"]), path)
         changed = _changed_optimizer_settings(manifest.get("config", {}), trainer.cfg.to_dict())
         if changed:
             self._say(f"resuming {path.name} with other optimizer settings than its run's, which apply from "
@@ -411,6 +415,7 @@ class Checkpointer:
         trainer.step = int(manifest["step"])
         trainer.ancestor_runs = list(manifest.get("runs", [None]))  # (None: records written before runs had ids)
         self.resumed_from = self.last_complete = path
+        self.restoring = None
         same_root = self.root is not None and path.parent.resolve() == self.root.resolve()
         parts = _chain_parts(path, manifest) if same_root else []
         self.chain = [directory.name for _, directory, _ in parts]  # increments continue this chain (by the

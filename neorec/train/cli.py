@@ -63,7 +63,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         try:
             result = trainer.fit()
         except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
-            print(f"neorec train: stopped after step {trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
+            print(f"neorec train: stopped {_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
             raise
         except BrokenPipeError:  # `neorec train | tee log` and tee died: not a silent stop
             print(f"neorec train: standard output was closed (its reader went away); stopped after step "
@@ -74,16 +74,24 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _stopped_where(trainer) -> str:
+    restoring = trainer.checkpointer.restoring if trainer.checkpointer is not None else None
+    if restoring is not None:  # (the step is still 0: said "stopped after step 0")
+        return f"while restoring the checkpoint of step {restoring[0]}"
+    return f"after step {trainer.step}"
+
+
 def _resume_hint(trainer) -> str:
+    # the folder too: a stop between a checkpoint's manifest and the end of its save said "none yet";
+    # and a run resumed from elsewhere (with or without a checkpoint.dir) goes on from that checkpoint
+    # until it saves one of its own
     checkpointer = trainer.checkpointer
+    last = checkpointer.go_on_from() if checkpointer is not None else None
+    if last is not None:
+        return f"; its last checkpoint is of step {last[0]}: --resume {last[1]} goes on from there"
     if checkpointer is None or checkpointer.root is None:
         return " (no checkpoints: set checkpoint.dir to be able to resume)"
-    # the folder too: a stop between a checkpoint's manifest and the end of its save said "none yet";
-    # and a run resumed from elsewhere that saved nothing yet goes on from that checkpoint
-    last = checkpointer.go_on_from()
-    if last is None:
-        return " (no checkpoint saved yet)"
-    return f"; its last checkpoint is of step {last[0]}: --resume {last[1]} goes on from there"
+    return " (no checkpoint saved yet)"
 
 
 def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
@@ -142,6 +150,9 @@ def _saved_checkpoint_hint(root: str, resumed: Optional[str] = None) -> str:
     from neorec.train.checkpoint_manifest import newest_saved_step
 
     if not root:
+        if resumed:
+            return (f"this run saved no checkpoints (checkpoint.dir is empty); --resume {resumed} starts again "
+                    "from where it started")
         return "no checkpoints (set checkpoint.dir to be able to resume)"
     step = newest_saved_step(Path(root))
     if step is None:

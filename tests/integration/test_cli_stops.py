@@ -61,7 +61,7 @@ def test_a_stop_right_after_a_checkpoints_manifest_names_that_checkpoint(tmp_pat
     (root / "step-000000005" / "manifest.json").write_text("{}")
     from neorec.train.checkpoint import Checkpointer
 
-    checkpointer = types.SimpleNamespace(root=root, last_saved_step=None, last_complete=None)
+    checkpointer = types.SimpleNamespace(root=root, last_saved_step=None, last_complete=None, restoring=None)
     checkpointer.go_on_from = lambda: Checkpointer.go_on_from(checkpointer)
     trainer = types.SimpleNamespace(checkpointer=checkpointer, cfg=types.SimpleNamespace(
         checkpoint=types.SimpleNamespace(dir=str(root))))
@@ -176,3 +176,47 @@ def test_checkpoints_of_another_run_are_refused_before_the_model_is_built(tmp_pa
     assert main(["train", *cached, "--nproc", "2", "--output-dir", str(tmp_path / "third"), *ckpt]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already holds checkpoints of another run" in err, err
+
+
+def test_a_run_resumed_from_elsewhere_and_stopped_names_the_checkpoint_it_resumed(tmp_path, capsys, monkeypatch):
+    """Resumed from a checkpoint outside checkpoint.dir (or with none set) and stopped before saving one
+    of its own: it said "no checkpoints: set checkpoint.dir", though the checkpoint it resumed from goes
+    on. Stopped while that checkpoint was restored: "stopped after step 0", and "no checkpoint saved
+    yet" with a fresh checkpoint.dir. The --nproc launcher without a checkpoint.dir said "no checkpoints"."""
+    import neorec.train.checkpoint as checkpoint
+    from neorec.train.cli import _saved_checkpoint_hint
+
+    common = ["train", "--config", str(TINY), "--no-progress", "--set", "data.synthetic.num_train_samples=2560"]
+    first = tmp_path / "first"
+    assert main([*common, "--output-dir", str(tmp_path / "a"), "--max-steps", "4", "--set", f"checkpoint.dir='{first}'",
+                 "--set", "checkpoint.every_steps=2"]) == 0
+    capsys.readouterr()
+    step4 = first / "step-000000004"
+    for where in ([], ["--set", f"checkpoint.dir='{tmp_path / 'fresh'}'", "--set", "checkpoint.every_steps=100"]):
+        monkeypatch.setattr(checkpoint, "restore_pieces", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert main([*common, "--output-dir", str(tmp_path / "b"), "--resume", str(first), *where]) == 130
+        err = capsys.readouterr().err
+        assert (f"neorec train: stopped while restoring the checkpoint of step 4; its last checkpoint is of step 4: "
+                f"--resume {step4} goes on from there\n") in err, err
+        monkeypatch.undo()
+        stop_at_step_7 = _train_step_stopping_at(7)
+        monkeypatch.setattr("neorec.train.trainer.Trainer.train_step", stop_at_step_7)
+        assert main([*common, "--output-dir", str(tmp_path / "b"), "--resume", str(first), *where]) == 130
+        err = capsys.readouterr().err
+        assert (f"neorec train: stopped after step 6; its last checkpoint is of step 4: --resume {step4} goes on "
+                f"from there\n") in err, err
+        monkeypatch.undo()
+    assert _saved_checkpoint_hint("", str(first)) == (f"this run saved no checkpoints (checkpoint.dir is empty); "
+                                                      f"--resume {first} starts again from where it started")
+
+
+def _train_step_stopping_at(step: int):
+    from neorec.train.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        if self.step + 1 == step:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+    return train_step
