@@ -271,7 +271,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    from neorec.train.launch import Terminated, die_with_launcher
+    from neorec.signals import Terminated
+    from neorec.train.launch import die_with_launcher
 
     die_with_launcher()  # a rank started by `--nproc N`: never outlive the launcher
     show_traceback = bool(args.traceback) or _env_flag("NEOREC_TRACEBACK")

@@ -45,6 +45,7 @@ import torch
 
 from neorec.embedding.storage import RowFormat, RowStore, row_format
 from neorec.files import LockHeld, lock_file, write_atomic
+from neorec.signals import signals_held
 
 _FORMAT = "neorec-row-store"
 _VERSION = 1
@@ -125,8 +126,9 @@ class SsdRowStore(RowStore):
             os.replace(tmp, path)
             _fsync_dir(path.parent)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.close(lock)
+            with signals_held():  # (a second Ctrl-C cut the removal short: a file of the table's size was left)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.close(lock)
             raise
         return cls.open(path, resident_budget_bytes=resident_budget_bytes, _lock_fd=lock)
 

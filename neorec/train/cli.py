@@ -20,7 +20,8 @@ from typing import List, Optional, Sequence
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from neorec.train.distributed import launched_by_torchrun
-    from neorec.train.launch import Terminated, started_by_a_launcher, terminate_raises
+    from neorec.signals import Terminated, terminate_raises
+    from neorec.train.launch import started_by_a_launcher
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")

@@ -16,16 +16,16 @@ clean up (SIGKILL), so no rank outlives it. For several nodes use torchrun.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence
+
+from neorec.signals import signals_held, terminate_raises
 
 _POLL_SECONDS = 0.1
 _STOP_SECONDS = 5.0
@@ -58,6 +58,14 @@ def rank_environment(rank: int, nproc: int, port: int, base: Optional[dict] = No
 
 
 def _stop(processes: List[subprocess.Popen]) -> None:
+    """Stop and reap every rank (SIGTERM, SIGKILL after ``_STOP_SECONDS``). A second Ctrl-C or
+    SIGTERM meanwhile is held until it is done: raised inside, it left ranks running (they trained
+    and saved on, and pruned the checkpoint the launcher's message named)."""
+    with signals_held():
+        _terminate_and_reap(processes)
+
+
+def _terminate_and_reap(processes: List[subprocess.Popen]) -> None:
     for p in processes:
         if p.poll() is None:
             p.terminate()
@@ -68,16 +76,6 @@ def _stop(processes: List[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP was received (while ``terminate_raises`` was in force). Like
-    KeyboardInterrupt, not an ``Exception``: an ``except Exception`` meant for errors (a batch that
-    failed to load, a library's fallback) does not take a stop for one."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 LAUNCHER_ENV = "NEOREC_LAUNCHER_PID"
@@ -103,43 +101,6 @@ def die_with_launcher() -> None:
         return
     if os.getppid() != int(launcher):  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-_received: List[int] = []  # the signals ``terminate_raises`` took, in order
-
-
-def _raise_terminated(signum, frame) -> None:
-    _received.append(signum)
-    raise Terminated(signum)
-
-
-@contextlib.contextmanager
-def terminate_raises() -> Iterator[None]:
-    """SIGTERM / SIGHUP raise ``Terminated`` in the main thread within (as Ctrl-C raises
-    KeyboardInterrupt), so that a run stopped by a scheduler ends through the same report instead of
-    dying without a word. The previous handlers come back on leaving. Off the main thread, where no
-    handler can be installed, a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _received.clear()
-    previous = {signum: signal.signal(signum, _raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _received.clear()
-
-
-def check_terminated() -> None:
-    """Raise ``Terminated`` if SIGTERM / SIGHUP came within ``terminate_raises``: the trainer calls it
-    at every step. A handler's exception can be lost: Python runs a handler wherever the main thread
-    is, and one raised inside a finalizer (``__del__``, a weakref callback, a generator closed by the
-    garbage collector) is only printed; code that catches broadly drops it. (A CI run trained on
-    for a minute after its SIGTERM, without a word; where its exception went was not found.)"""
-    if _received:
-        raise Terminated(_received[0])
 
 
 def _how_it_ended(returncode: int) -> str:

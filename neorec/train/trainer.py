@@ -35,12 +35,12 @@ from neorec.embedding.init_stream import observing_draws
 from neorec.embedding.locations import PREFETCH_NEEDS_PIPELINE
 from neorec.embedding.storage import NonFiniteRowError
 from neorec.model import dense_parameters
+from neorec.signals import check_terminated
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.divergence import NonFiniteLossError, diverged, non_finite_weight
 from neorec.train.build import build_model, make_dense_optimizer, plan_locations, resolve_device, ssd_dir_of
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
                                       split_batch, threads_per_rank)
-from neorec.train.launch import check_terminated
 from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
 from neorec.train.metrics_log import MetricsLog
 from neorec.train.pipeline import TrainPipeline, abandon_launched_exchanges, plain_steps

@@ -121,7 +121,7 @@ def _start_launcher(code: str) -> subprocess.Popen:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_no_rank_outlives_a_stopped_or_killed_launcher(signum):
-    launcher = _start_launcher("import sys\nfrom neorec.train.launch import Terminated, launch_local\n"
+    launcher = _start_launcher("import sys\nfrom neorec.signals import Terminated\nfrom neorec.train.launch import launch_local\n"
                                "try:\n    launch_local(2, [], module='sleep_rank')\n"
                                "except Terminated as exc:\n    print('terminated', exc); sys.exit(128 + exc.signum)")
     ranks = []
@@ -134,6 +134,48 @@ def test_no_rank_outlives_a_stopped_or_killed_launcher(signum):
         if signum != signal.SIGKILL:
             assert launcher.returncode == 128 + signum and "terminated" in out
         assert _wait_for(lambda: not any(_alive(pid) for pid in ranks), 15), "a rank outlived its launcher"
+    finally:
+        _kill_all([launcher.pid, *ranks])
+        launcher.wait()
+
+
+SECOND_SIGNAL_LAUNCHER = """import glob, os, sys
+from neorec.signals import Terminated
+from neorec.train.launch import launch_local
+def running_children():
+    found = 0
+    for stat in glob.glob('/proc/[0-9]*/stat'):
+        try:
+            fields = open(stat).read().rsplit(')', 1)[1].split()
+        except OSError:
+            continue
+        found += int(fields[1]) == os.getpid() and fields[0] != 'Z'
+    return found
+try:
+    launch_local(2, [], module='stubborn_rank')
+except (Terminated, KeyboardInterrupt) as exc:
+    print('stopped by', type(exc).__name__, 'running children', running_children(), flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_while_the_launcher_stops_its_ranks_waits_until_they_are_stopped(second):
+    """A second SIGTERM or Ctrl-C while the launcher stopped its ranks was raised inside the stopping:
+    the ranks ran on (they trained, saved and pruned the checkpoint the launcher's message named)."""
+    launcher = _start_launcher(SECOND_SIGNAL_LAUNCHER)
+    ranks = []
+    try:
+        assert _wait_for(lambda: len(_children(launcher.pid)) == 2, 60)
+        ranks = _children(launcher.pid)
+        time.sleep(1.0)  # the ranks ignore SIGTERM by now
+        os.kill(launcher.pid, signal.SIGTERM)  # the launcher SIGKILLs them after its grace period (5 s)
+        time.sleep(1.0)
+        os.kill(launcher.pid, second)
+        out, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 3 and "running children 0" in out, (out, err)
+        assert f"stopped by {'Terminated' if second == signal.SIGTERM else 'KeyboardInterrupt'}" in out, out
     finally:
         _kill_all([launcher.pid, *ranks])
         launcher.wait()

@@ -1,0 +1,14 @@
+"""A stand-in rank program for the launcher tests that ignores SIGTERM (a rank busy in a
+collective, or a program that handles it slowly): the launcher SIGKILLs it after its grace period.
+Its output goes nowhere, so that the launcher's pipes close when the launcher exits."""
+
+import os
+import signal
+import time
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, 1)
+    os.dup2(nowhere, 2)
+    time.sleep(300)
