@@ -132,7 +132,8 @@ class Checkpointer:
         self.last_saved_step: Optional[int] = None
         self.position = Position()
         self.resumed_from: Optional[Path] = None  # the checkpoint restored, if any
-        self.restoring: Optional[Tuple[int, Path]] = None  # (step, path) while a checkpoint is being restored
+        # while a checkpoint is checked and restored: (its step, its path), (None, --resume) until known
+        self.restoring: Optional[Tuple[Optional[int], Path]] = None
         self.last_complete: Optional[Path] = None  # the newest complete checkpoint of this run (restored or saved)
         self.bytes_written: List[dict] = []  # one record per save (kind, bytes) for benchmarks
 
@@ -147,7 +148,7 @@ class Checkpointer:
                 found.append((newest, str(self.root)))
         mine = ((self.last_saved_step, self.last_complete) if self.last_complete is not None
                 and self.last_saved_step is not None else self.restoring)  # (stopped while restoring it)
-        if mine is not None:
+        if mine is not None and mine[0] is not None:
             here = self.root is not None and mine[1].parent.resolve() == self.root.resolve()
             found.append((mine[0], str(self.root) if here else str(mine[1])))
         return max(found, key=lambda item: item[0]) if found else None  # (a tie: checkpoint.dir, first)
@@ -358,6 +359,7 @@ class Checkpointer:
             raise ValueError(f"--resume: {location} is a file; give a checkpoint folder (checkpoint.dir, or one "
                              f"step-N folder in it)")
         named = _step_of(location) is not None or (location / MANIFEST).exists()  # one checkpoint, not a root
+        self.restoring = (None, location)  # (its files are hashed first: minutes for a large one)
         if found is not None:
             path, manifest = found
         elif named:  # the user chose this step: use it or stop, never an older one in its place

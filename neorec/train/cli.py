@@ -67,8 +67,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"neorec train: stopped {_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
             raise
         except BrokenPipeError:  # `neorec train | tee log` and tee died: not a silent stop
-            print(f"neorec train: standard output was closed (its reader went away); stopped after step "
-                  f"{trainer.step}{_resume_hint(trainer)}", file=sys.stderr)
+            print(f"neorec train: standard output was closed (its reader went away); stopped "
+                  f"{_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
             raise
     trainer.close()  # its row stores flushed and unlocked
     _print_result(result)
@@ -77,9 +77,11 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _stopped_where(trainer) -> str:
     restoring = trainer.checkpointer.restoring if trainer.checkpointer is not None else None
-    if restoring is not None:  # (the step is still 0: said "stopped after step 0")
-        return f"while restoring the checkpoint of step {restoring[0]}"
-    return f"after step {trainer.step}"
+    if restoring is None:
+        return f"after step {trainer.step}"
+    if restoring[0] is None:  # (the step is still 0: said "stopped after step 0")
+        return f"while checking the checkpoint to resume from in {restoring[1]}"
+    return f"while restoring the checkpoint of step {restoring[0]}"
 
 
 def _resume_hint(trainer) -> str:
@@ -90,6 +92,8 @@ def _resume_hint(trainer) -> str:
     last = checkpointer.go_on_from() if checkpointer is not None else None
     if last is not None:
         return f"; its last checkpoint is of step {last[0]}: --resume {last[1]} goes on from there"
+    if checkpointer is not None and checkpointer.restoring is not None:  # (its step not read yet)
+        return f"; --resume {checkpointer.restoring[1]} starts again"
     if checkpointer is None or checkpointer.root is None:
         return " (no checkpoints: set checkpoint.dir to be able to resume)"
     return " (no checkpoint saved yet)"

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-from neorec.signals import signals_held, terminate_raises
+from neorec.signals import check_terminated, signals_held, terminate_raises
 
 _POLL_SECONDS = 0.1
 _STOP_SECONDS = 5.0
@@ -149,6 +149,7 @@ def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) ->
                 return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
             if all(code == 0 for code in codes):
                 return 0
+            check_terminated()  # (a stop whose exception was lost)
             time.sleep(_POLL_SECONDS)
     finally:  # (also on Ctrl-C, SIGTERM, SIGHUP: every rank is stopped)
         _stop(processes)

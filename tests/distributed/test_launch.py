@@ -161,15 +161,17 @@ except (Terminated, KeyboardInterrupt) as exc:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
-def test_a_second_signal_while_the_launcher_stops_its_ranks_waits_until_they_are_stopped(second):
+def test_a_second_signal_while_the_launcher_stops_its_ranks_waits_until_they_are_stopped(second, tmp_path,
+                                                                                        monkeypatch):
     """A second SIGTERM or Ctrl-C while the launcher stopped its ranks was raised inside the stopping:
     the ranks ran on (they trained, saved and pruned the checkpoint the launcher's message named)."""
+    monkeypatch.setenv("STUBBORN_READY_DIR", str(tmp_path))
     launcher = _start_launcher(SECOND_SIGNAL_LAUNCHER)
     ranks = []
     try:
         assert _wait_for(lambda: len(_children(launcher.pid)) == 2, 60)
         ranks = _children(launcher.pid)
-        time.sleep(1.0)  # the ranks ignore SIGTERM by now
+        assert _wait_for(lambda: len(list(tmp_path.iterdir())) == 2, 60)  # both ignore SIGTERM now
         os.kill(launcher.pid, signal.SIGTERM)  # the launcher SIGKILLs them after its grace period (5 s)
         time.sleep(1.0)
         os.kill(launcher.pid, second)

@@ -121,7 +121,8 @@ def test_sigterm_while_the_model_is_built_says_so_and_leaves_no_half_made_store(
     assert not [p.name for p in (tmp_path / "run" / "embedding_ssd").iterdir() if ".tmp" in p.name]
 
 
-def test_a_sigterm_whose_exception_a_finalizer_lost_still_stops_the_run(tmp_path):
+@pytest.mark.parametrize("signum, code, why", [(15, 143, "SIGTERM received; stopped"), (2, 130, "interrupted")])
+def test_a_signal_whose_exception_a_finalizer_lost_still_stops_the_run(tmp_path, signum, code, why):
     """A CI run trained on for a minute after its SIGTERM, without a word (where the handler's
     exception went was not found). Python runs a handler wherever the main thread is; raised inside
     a finalizer (``__del__``, a weakref callback) its exception is only printed. Here the signal
@@ -134,7 +135,7 @@ def test_a_sigterm_whose_exception_a_finalizer_lost_still_stops_the_run(tmp_path
         "from neorec.train.trainer import Trainer\n"
         "class Finalized:\n"
         "    def __del__(self):\n"
-        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        os.kill(os.getpid(), int(os.environ['SIGNUM']))\n"
         "        deadline = time.monotonic() + 5\n"
         "        while time.monotonic() < deadline:  # the handler runs here, inside __del__\n"
         "            pass\n"
@@ -149,9 +150,9 @@ def test_a_sigterm_whose_exception_a_finalizer_lost_still_stops_the_run(tmp_path
         "sys.exit(main(sys.argv[1:]))\n")
     run = subprocess.run([sys.executable, str(script), "train", "--config", str(TINY), "--no-progress",
                           "--output-dir", str(tmp_path / "run")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, SIGNUM=str(signum)))
     assert "Exception ignored in" in run.stderr, run.stderr  # the finalizer did lose it
-    assert run.returncode == 143 and "neorec train: SIGTERM received; stopped" in run.stderr, run.stderr
+    assert run.returncode == code and f"neorec train: {why}" in run.stderr, run.stderr
     assert "neorec train: stopped after step 3 " in run.stderr, run.stderr
     assert "eval @ step" not in run.stdout and '"kind": "final"' not in (tmp_path / "run" / "metrics.jsonl").read_text()
 
@@ -181,9 +182,10 @@ def test_checkpoints_of_another_run_are_refused_before_the_model_is_built(tmp_pa
 def test_a_run_resumed_from_elsewhere_and_stopped_names_the_checkpoint_it_resumed(tmp_path, capsys, monkeypatch):
     """Resumed from a checkpoint outside checkpoint.dir (or with none set) and stopped before saving one
     of its own: it said "no checkpoints: set checkpoint.dir", though the checkpoint it resumed from goes
-    on. Stopped while that checkpoint was restored: "stopped after step 0", and "no checkpoint saved
-    yet" with a fresh checkpoint.dir. The --nproc launcher without a checkpoint.dir said "no checkpoints"."""
+    on. Stopped while that checkpoint was checked or restored: "stopped after step 0", and "no
+    checkpoint saved yet" with a fresh checkpoint.dir. The --nproc launcher without a checkpoint.dir said "no checkpoints"."""
     import neorec.train.checkpoint as checkpoint
+    import neorec.train.checkpoint_manifest as checkpoint_manifest
     from neorec.train.cli import _saved_checkpoint_hint
 
     common = ["train", "--config", str(TINY), "--no-progress", "--set", "data.synthetic.num_train_samples=2560"]
@@ -192,8 +194,15 @@ def test_a_run_resumed_from_elsewhere_and_stopped_names_the_checkpoint_it_resume
                  "--set", "checkpoint.every_steps=2"]) == 0
     capsys.readouterr()
     step4 = first / "step-000000004"
+    interrupt = lambda *args: (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: E731
     for where in ([], ["--set", f"checkpoint.dir='{tmp_path / 'fresh'}'", "--set", "checkpoint.every_steps=100"]):
-        monkeypatch.setattr(checkpoint, "restore_pieces", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+        monkeypatch.setattr(checkpoint_manifest, "sha256_file", interrupt)  # checking its files (minutes for a large one)
+        assert main([*common, "--output-dir", str(tmp_path / "b"), "--resume", str(first), *where]) == 130
+        err = capsys.readouterr().err
+        assert (f"neorec train: stopped while checking the checkpoint to resume from in {first}; --resume {first} "
+                f"starts again\n") in err, err
+        monkeypatch.undo()
+        monkeypatch.setattr(checkpoint, "restore_pieces", interrupt)
         assert main([*common, "--output-dir", str(tmp_path / "b"), "--resume", str(first), *where]) == 130
         err = capsys.readouterr().err
         assert (f"neorec train: stopped while restoring the checkpoint of step 4; its last checkpoint is of step 4: "

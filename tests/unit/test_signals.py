@@ -47,13 +47,54 @@ def test_a_signal_during_held_clean_up_is_raised_once_it_is_done(signum, raised)
             pass  # nothing held: nothing raised
 
 
-def test_a_signal_held_by_a_block_that_fails_gives_way_to_its_error():
+def test_a_signal_held_by_a_block_that_fails_gives_way_to_its_error_and_is_checked_later():
     with terminate_raises():
         with pytest.raises(ValueError, match="the block's own"):
             with signals_held():
                 os.kill(os.getpid(), signal.SIGTERM)
                 raise ValueError("the block's own error")
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers back
+        with pytest.raises(Terminated):
+            check_terminated()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers back
+
+
+def test_a_lost_ctrl_c_is_raised_at_the_next_check():
+    with terminate_raises():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # lost, as in a finalizer
+        with pytest.raises(KeyboardInterrupt):
+            check_terminated()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("swap", [1, 2, 3])
+def test_a_signal_handled_while_the_handlers_are_swapped_leaves_none_half_swapped(monkeypatch, swap):
+    """``signal.signal`` first runs the handlers of signals pending; one that raised stopped the swaps
+    half way: the block never ran, and a holder stayed installed for good (a later Ctrl-C did nothing)."""
+    import neorec.signals as signals
+
+    real, calls = signal.signal, []
+
+    def swap_with_a_signal_pending(signum, handler):
+        calls.append(signum)
+        if len(calls) == swap:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in this swap
+        return real(signum, handler)
+
+    originals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    with terminate_raises():
+        inside = {s: signal.getsignal(s) for s in originals}
+        monkeypatch.setattr(signals.signal, "signal", swap_with_a_signal_pending)
+        done = []
+        with pytest.raises(Terminated):
+            with signals_held():
+                done.append("the clean-up ran")
+        monkeypatch.setattr(signals.signal, "signal", real)
+        assert done == ["the clean-up ran"]
+        assert {s: signal.getsignal(s) for s in originals} == inside
+    assert {s: signal.getsignal(s) for s in originals} == originals
 
 
 def test_a_second_ctrl_c_while_a_half_made_store_is_removed_leaves_no_temporary(tmp_path, monkeypatch):
