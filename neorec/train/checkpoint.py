@@ -168,10 +168,10 @@ class Checkpointer:
         if choice.said and self.rank == 0:
             print(choice.said, end="", file=self.trainer.out, flush=True)
         if choice.location is None:
-            self._refuse_other_runs(None)
+            refuse_other_runs(self.cfg)
             return Position()
         position = self.restore(Path(choice.location), found=choice.found)
-        self._refuse_other_runs(position.step)
+        refuse_other_runs(self.cfg, position.step, self.resumed_from)
         if self.root is None:  # --resume reads a checkpoint; only checkpoint.dir makes a run save them
             location = Path(choice.location)
             folder = location.parent if _step_of(location) is not None else location
@@ -187,9 +187,6 @@ class Checkpointer:
             position = Position(position.step, position.epoch + 1, 0)
         self.position = position
         return position
-
-    def _refuse_other_runs(self, resumed_step: Optional[int]) -> None:
-        refuse_other_runs(self.cfg, resumed_step, self.resumed_from)
 
     def due(self) -> bool:
         """Whether ``after_step`` will save at the trainer's current step (every ``every_steps``)."""
