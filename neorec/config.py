@@ -132,7 +132,7 @@ class DenseOptimizerConfig:
 class TrainConfig:
     """The training loop.
 
-    epochs: passes over the training data.
+    epochs: passes over the training data (0 = no limit: train.max_steps ends the run).
     max_steps: stop at this step, counted from the run's start (a resumed run included; 0 = no limit).
     eval_every_steps: evaluate every N steps (0 = only at the end of each epoch).
     eval_max_batches: cap on eval batches per evaluation (0 = the whole eval set).

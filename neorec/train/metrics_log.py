@@ -1,5 +1,7 @@
 """``metrics.jsonl``: the trainer's JSON-lines log of train, eval, final and error records, kept
-across resumes (records of the runs a checkpoint descends from) and strict JSON (NaN -> null)."""
+across resumes (records of the runs a checkpoint descends from) and strict JSON: a value that is
+not finite is written as null and named, with what it was, in the record's ``non_finite``
+(``{"ne": "inf"}``: a confident wrong prediction, against ``"nan"``: undefined)."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class MetricsLog:
                     if record.get("kind") == "final":
                         if "auc" not in record:  # the run had no eval set
                             continue
-                        for key in ("samples", "train_seconds", "qps", "first_step"):
+                        for key in ("samples", "train_seconds", "qps", "first_step", "cache"):
                             record.pop(key, None)
                         line = json.dumps(dict(record, kind="eval", epoch=epoch), sort_keys=True)
                     kept.append(line + "\n")
@@ -62,8 +64,10 @@ class MetricsLog:
 
     def write(self, record: Dict[str, Any]) -> None:
         if self._file is not None:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                     for k, v in record.items()}  # NaN (an undefined metric) -> null: strict JSON
+            clean = dict(record)
+            non_finite = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+            if non_finite:  # strict JSON has no NaN or inf: null, and what it was ("nan", "inf", "-inf")
+                clean.update(dict.fromkeys(non_finite), non_finite=non_finite)
             if self.run is not None:
                 clean["run"] = self.run
             try:

@@ -1,6 +1,7 @@
 """The trainer's metrics log: window QPS counts training time only, each epoch's last steps get a
 train record of their own, the last step is evaluated once, a resumed run's log holds one final
-record, a non-finite loss leaves an error record, replacing an earlier run's log is said.
+record, a non-finite loss leaves an error record, replacing an earlier run's log is said, values
+that are not finite are null and named in `non_finite`.
 
     python -m pytest tests/unit/train/test_trainer_log.py -q
 """
@@ -386,3 +387,37 @@ def test_building_a_large_model_says_so(tmp_path, monkeypatch):
     out = io.StringIO()
     make_trainer(tmp_path, "train.progress=true", *checkpoint, resume=str(tmp_path / "ckpt"), out=out)
     assert "building the model" not in out.getvalue()
+
+
+def test_values_that_are_not_finite_are_null_and_named_with_what_they_were(tmp_path):
+    """NE and log loss of a confident wrong prediction are inf; NaN means undefined. Both were
+    written as null, so the log could not tell "infinitely bad" from "not computable"."""
+    from neorec.train.metrics_log import MetricsLog
+
+    log = MetricsLog(tmp_path / "run" / "metrics.jsonl", run="r")
+    log.write({"kind": "eval", "step": 1, "auc": 0.5, "ne": float("inf"), "log_loss": float("inf"),
+               "calibration": float("nan"), "ctr": 0.25})
+    log.write({"kind": "eval", "step": 2, "auc": 0.6, "ne": 0.9})
+    log.close()
+    first, second = read_log(tmp_path)  # (json.loads would take NaN / Infinity: look at the text too)
+    assert "Infinity" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert first["ne"] is None and first["log_loss"] is None and first["calibration"] is None
+    assert first["non_finite"] == {"ne": "inf", "log_loss": "inf", "calibration": "nan"}
+    assert first["auc"] == 0.5 and first["ctr"] == 0.25
+    assert "non_finite" not in second and second["ne"] == 0.9
+
+
+def test_a_final_record_kept_as_an_eval_record_drops_the_ended_runs_counters(tmp_path):
+    """A resumed run keeps the earlier run's final record as the eval record it is; it kept the
+    cache counters of that run's whole life, which no eval record carries."""
+    from neorec.train.metrics_log import MetricsLog
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    log = MetricsLog(path, run="a")
+    log.write({"kind": "train", "step": 30, "loss": 0.5})
+    log.write({"kind": "final", "step": 30, "first_step": 0, "samples": 960, "train_seconds": 1.0, "qps": 960.0,
+               "auc": 0.7, "ne": 0.9, "cache": {"t_0": {"lookups": 10, "hits": 5, "hit_rate": 0.5}}})
+    log.close()
+    MetricsLog(path, continue_after_step=30, epoch=0, run="b", keep_runs=("a",)).close()
+    train, kept = read_log(tmp_path)
+    assert kept == {"kind": "eval", "step": 30, "epoch": 0, "auc": 0.7, "ne": 0.9, "run": "a"}
