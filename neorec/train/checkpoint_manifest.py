@@ -69,6 +69,10 @@ def _chain_parts(path: Path, manifest: dict) -> List[Tuple[str, Path, dict]]:
     bases = manifest.get("bases", {})
     for name in manifest["chain"][:-1]:
         directory = path.parent / name
+        if not directory.is_dir():  # (an increment copied alone: "not completed" misled)
+            raise ValueError(f"its base checkpoint {name} is not beside it ({directory} does not exist); an "
+                             f"incremental checkpoint needs the checkpoints it builds on ({', '.join(manifest['chain'][:-1])}) "
+                             f"in the same folder")
         try:
             part = _read_manifest(directory)
         except ValueError as exc:
@@ -256,6 +260,20 @@ def _changed_data_settings(saved: dict, current: dict) -> List[str]:
     return [f"{key} {old[key]!r} -> {new[key]!r}" for key in sorted(new) if key in old and not same(key)]
 
 
+def _changed_model_settings(saved: dict, model) -> List[str]:
+    """``model.key checkpoint -> config`` for each setting of the model that differs from the
+    checkpoint's (``saved``: its config's [model]; keys it lacks are not compared), leaving out the
+    settings of an interaction the checkpoint did not use (``dcn_*`` for "dot", ``self_interaction``
+    for "dcn")."""
+    dot = saved.get("interaction", model.interaction) == "dot"
+    unused = ("dcn_num_layers", "dcn_low_rank") if dot else ("self_interaction",)
+    out = []
+    for key, value in vars(model).items():
+        if key in saved and key not in unused and saved[key] != value:
+            out.append(f"model.{key} {saved[key]!r} -> {value!r}")
+    return out
+
+
 def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:
     saved, current = manifest["tables"], _table_shapes(cfg, source)
     if saved != current:
@@ -266,10 +284,10 @@ def _check_compatible(manifest: dict, cfg, source, path: Path) -> None:
         raise ValueError(f"resume from {path}: checkpoint has sparse optimizer {manifest['sparse_optimizer']!r}, "
                          f"the config {cfg.embedding.optimizer.kind!r} (set embedding.optimizer.kind = "
                          f"{manifest['sparse_optimizer']!r})")
-    saved_pooling = manifest.get("config", {}).get("model", {}).get("pooling")
-    if saved_pooling is not None and saved_pooling != cfg.model.pooling:  # same shapes, another model
-        raise ValueError(f"resume from {path}: checkpoint was trained with model.pooling = {saved_pooling!r}, the "
-                         f"config has {cfg.model.pooling!r} (set model.pooling = {saved_pooling!r})")
+    changed = _changed_model_settings(manifest.get("config", {}).get("model", {}), cfg.model)
+    if changed:  # (pooling, the interaction: another model with the same weight shapes, or shapes said plainly)
+        raise ValueError(f"resume from {path}: the checkpoint's model differs from the config's: "
+                         f"{'; '.join(changed)} (set them as the checkpoint has them)")
     saved_dense = manifest.get("config", {}).get("dense_optimizer", {}).get("kind")
     if saved_dense is not None and saved_dense != cfg.dense_optimizer.kind:
         raise ValueError(f"resume from {path}: checkpoint has dense optimizer {saved_dense!r}, the config "

@@ -381,6 +381,12 @@ def test_missing_base_of_an_increment_is_named(tmp_path):
     (root / "step-000000002" / "manifest.json").unlink()  # the full checkpoint the increment builds on
     with pytest.raises(ValueError, match="its base checkpoint step-000000002: no manifest.json"):
         verify_checkpoint(root / "step-000000004")
+    alone = tmp_path / "copied" / "x"  # the increment copied without its base: not "not completed"
+    shutil.copytree(root / "step-000000004", alone)
+    with pytest.raises(ValueError, match=r"its base checkpoint step-000000002 is not beside it \(.*copied/"
+                                         r"step-000000002 does not exist\); an incremental checkpoint needs the "
+                                         r"checkpoints it builds on \(step-000000002\) in the same folder"):
+        verify_checkpoint(alone)
 
 
 @pytest.mark.parametrize("setting", ["train.output_dir", "checkpoint.dir"])

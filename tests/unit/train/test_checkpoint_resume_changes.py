@@ -15,18 +15,38 @@ from tests.unit.train.test_checkpoint import checkpoint_args, make_trainer
 
 
 @pytest.mark.parametrize("change, message", [
-    ("model.dense_layers=[16, 4]", r"dense weights do not fit the model \(dense_arch.mlp.0.weight \[8, 4\] in the "
-                                   r"checkpoint, \[16, 4\] in the model"),
-    ("model.over_layers=[16, 8]", "dense weights do not fit the model"),
+    ("model.dense_layers=[16, 4]", r"the checkpoint's model differs from the config's: model.dense_layers \[8, 4\] "
+                                   r"-> \[16, 4\] \(set them as the checkpoint has them\)"),
+    ("model.over_layers=[16, 8]", r"model.over_layers \[16\] -> \[16, 8\]"),
     ("dense_optimizer.kind='sgd'", "checkpoint has dense optimizer 'adagrad', the config 'sgd'"),
     ("embedding.optimizer.kind='sgd'", r"checkpoint has sparse optimizer 'rowwise_adagrad', the config 'sgd' \(set "
                                        r"embedding.optimizer.kind = 'rowwise_adagrad'\)"),
-    ("model.pooling='mean'", r"trained with model.pooling = 'sum', the config has 'mean' \(set model.pooling"),
+    ("model.pooling='mean'", r"model.pooling 'sum' -> 'mean' \(set them as the checkpoint has them\)"),
 ])
 def test_resume_into_a_different_model_is_refused_with_the_reason(tmp_path, change, message):
     make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2)).fit()
     with pytest.raises(ValueError, match=message):
         make_trainer(tmp_path, "train.max_steps=4", change, resume=str(tmp_path / "ckpt"), name="resumed").fit()
+
+
+@pytest.mark.parametrize("saved, resumed", [("dot", "dcn"), ("dcn", "dot")])
+def test_resume_into_another_interaction_with_the_same_weight_shapes_is_refused(tmp_path, saved, resumed):
+    """3 tables of dim 2: the dot interaction's 2 + 6 pair outputs are as wide as DCN's 4 x 2
+    inputs, so with no cross layers every dense weight has the checkpoint's shape; the resume
+    went on without a word, the top MLP trained on the other interaction's features."""
+    shape = ["data.synthetic.num_tables=3", "data.synthetic.num_embeddings=[60, 200, 400]", "model.embedding_dim=2",
+             "model.dense_layers=[8, 2]", "model.dcn_num_layers=0"]
+    make_trainer(tmp_path, "train.max_steps=2", *shape, f"model.interaction='{saved}'",
+                 *checkpoint_args(tmp_path, 2)).fit()
+    with pytest.raises(ValueError, match=f"model.interaction '{saved}' -> '{resumed}'"):
+        make_trainer(tmp_path, "train.max_steps=4", *shape, f"model.interaction='{resumed}'",
+                     resume=str(tmp_path / "ckpt"), name="resumed").fit()
+    # the settings of an interaction the checkpoint did not use are not compared
+    unused = "model.dcn_low_rank=3" if saved == "dot" else "model.self_interaction=false"
+    again = make_trainer(tmp_path, "train.max_steps=3", *shape, f"model.interaction='{saved}'", unused,
+                         resume=str(tmp_path / "ckpt"), name="again")
+    again.fit()
+    assert again.step == 3
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
