@@ -115,11 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.scale_model and not args.scaling:
         raise ValueError("plan: --scale-model only changes the --scaling study; add --scaling")
     for flag in ("out", "report", "chart"):  # before the search, not after it
-        target = getattr(args, flag)
-        if target and Path(target).is_dir():
-            raise ValueError(f"plan: --{flag} {target} is a directory; give a file name")
-        if target and not Path(target).resolve().parent.is_dir():
-            raise ValueError(f"plan: --{flag} {target}: its directory {Path(target).parent} does not exist")
+        _check_output_target(flag, getattr(args, flag))
     if args.chart:
         from neorec.planner.chart import check_matplotlib
 
@@ -219,6 +215,22 @@ def _print_ranks(result, all_ranks: bool) -> None:
               f"{r.cost.total * 1e3:>9.3f}")
     if len(shown) < len(ranks):
         print(f"({len(shown)} of {len(ranks)} ranks: the slowest and the fastest; --all-ranks prints all)")
+
+
+def _check_output_target(flag: str, target) -> None:
+    """``--out``, ``--report`` or ``--chart`` can be written: a directory, a folder that does not
+    exist (it is not made), is a file or cannot be written in, is said before the search, not as a
+    raw errno after it."""
+    if not target:
+        return
+    from neorec.files import ensure_writable_dir
+
+    path = Path(target)
+    if path.is_dir():
+        raise ValueError(f"plan: --{flag} {target} is a directory; give a file name")
+    if not path.resolve().parent.exists():
+        raise ValueError(f"plan: --{flag} {target}: its directory {path.parent} does not exist")
+    ensure_writable_dir(path.parent, f"plan: --{flag} {target}: its folder")  # exists: probed, not made
 
 
 def _check_calibration_target(out) -> None:

@@ -372,6 +372,35 @@ def test_plan_outputs_in_a_missing_folder_are_refused_before_the_search(tmp_path
         assert not target.parent.exists()
 
 
+@pytest.mark.parametrize("flag", ["--out", "--report", "--chart"])
+def test_plan_outputs_in_an_unwritable_folder_are_refused_before_the_search(tmp_path, capsys, monkeypatch, flag):
+    """A folder that could not be written in was found only after the whole search, as a raw
+    "[Errno 13] Permission denied: 'ro/p.json'"; a folder that is a file was said not to exist."""
+    import os
+
+    import neorec.planner.planner as planner
+
+    def no_search(*a, **k):
+        raise AssertionError("searched before checking the outputs")
+
+    monkeypatch.setattr(planner, "plan_tables", no_search)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    target = blocker / "p.json"  # unwritable for root as well
+    assert main(["plan", "--model", "dlrm-criteo-kaggle", "--nodes", "1", flag, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"neorec plan: error: plan: {flag} {target}: its folder '{blocker}' is a file, not a directory\n", err
+    if os.geteuid() == 0:
+        return  # (permission bits do not stop root)
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    target = folder / "p.json"
+    assert main(["plan", "--model", "dlrm-criteo-kaggle", "--nodes", "1", flag, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"plan: {flag} {target}: its folder '{folder}' is not a writable directory: Permission denied" in err, err
+    assert list(folder.iterdir()) == []
+
+
 @pytest.mark.parametrize("gpu, preset, note", [("NVIDIA H100 80GB HBM3", "dgx-h100", False),
                                                 ("NVIDIA A100-SXM4-40GB", "zionex", False),
                                                 ("NVIDIA L40S", "dgx-h100", True)])
