@@ -58,6 +58,7 @@ from neorec.embedding.storage import DramRowStore
 from bench_args import at_least  # same folder (run as a script)
 
 CACHE_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.25, 0.50)
+SECTIONS = ("hit-rate", "train", "big-ssd")
 
 
 # ---------------------------------------------------------------------------------- hit rates
@@ -360,37 +361,68 @@ def section_big_ssd(args, workdir: str) -> Dict:
 
 
 # ---------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["hit-rate", "train", "big-ssd"])
-    parser.add_argument("--out", default="")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks every code path")
-    parser.add_argument("--threads", type=at_least(1), default=2)
-    parser.add_argument("--rows", type=at_least(1), default=200_000)
-    parser.add_argument("--batches", type=at_least(1), default=1000)
-    parser.add_argument("--ids-per-batch", type=at_least(1), default=1024)
-    parser.add_argument("--warmup", type=at_least(0), default=200)
-    parser.add_argument("--ways", type=at_least(1), default=32)
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.05, 1.2])
-    parser.add_argument("--fractions", type=float, nargs="+", default=list(CACHE_FRACTIONS))
-    parser.add_argument("--tables", type=at_least(1), nargs="+", default=[1_000_000, 300_000, 50_000, 1000])
-    parser.add_argument("--dim", type=at_least(1), default=32)
-    parser.add_argument("--pooling", type=float, default=4.0)
-    parser.add_argument("--batch-size", type=at_least(1), default=2048)
-    parser.add_argument("--warmup-steps", type=at_least(0), default=30)
-    parser.add_argument("--steps", type=at_least(1), default=20)
-    parser.add_argument("--rounds", type=at_least(1), default=5)
-    parser.add_argument("--big-rows", type=at_least(1), default=16_000_000)
-    parser.add_argument("--big-dim", type=at_least(1), default=64)
-    parser.add_argument("--big-steps", type=at_least(1), default=60)
-    parser.add_argument("--big-cache-rows", type=at_least(1), default=32_768)
-    parser.add_argument("--data-limit-gb", type=float, default=1.0)
-    parser.add_argument("--resident-budget-mb", type=at_least(1), default=256)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+                        help=f"the sections to run, from {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--out", default="", metavar="FILE.json", help="write the report JSON here (default: none)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, in place of those given: checks every code path")
+    parser.add_argument("--threads", type=at_least(1), default=2, metavar="N", help="torch threads (default 2)")
+    parser.add_argument("--rows", type=at_least(1), default=200_000, metavar="N",
+                        help="hit-rate: rows of the table (default 200000)")
+    parser.add_argument("--batches", type=at_least(1), default=1000, metavar="N",
+                        help="hit-rate: batches in each trace, warm-up included (default 1000)")
+    parser.add_argument("--ids-per-batch", type=at_least(1), default=1024, metavar="N",
+                        help="hit-rate: ids drawn per batch (default 1024)")
+    parser.add_argument("--warmup", type=at_least(0), default=200, metavar="N",
+                        help="hit-rate: batches looked up before hits are counted (default 200)")
+    parser.add_argument("--ways", type=at_least(1), default=32, metavar="N",
+                        help="hit-rate: ways of the set-associative cache (default 32)")
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.05, 1.2], metavar="ALPHA",
+                        help="hit-rate: Zipf skews of the traces (default 0.8 1.05 1.2)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=list(CACHE_FRACTIONS), metavar="F",
+                        help="hit-rate: cache sizes as fractions of the rows "
+                             f"(default {' '.join(str(f) for f in CACHE_FRACTIONS)})")
+    parser.add_argument("--tables", type=at_least(1), nargs="+", default=[1_000_000, 300_000, 50_000, 1000],
+                        metavar="ROWS", help="train: rows of each table; the smallest stays on the device "
+                                             "(default 1000000 300000 50000 1000)")
+    parser.add_argument("--dim", type=at_least(1), default=32, metavar="D",
+                        help="train: embedding dimension (default 32)")
+    parser.add_argument("--pooling", type=float, default=4.0, metavar="P",
+                        help="train, big-ssd: mean ids per bag (default 4)")
+    parser.add_argument("--batch-size", type=at_least(1), default=2048, metavar="B",
+                        help="train, big-ssd: samples per step (default 2048)")
+    parser.add_argument("--warmup-steps", type=at_least(0), default=30, metavar="N",
+                        help="train: untimed steps of each variant first (default 30)")
+    parser.add_argument("--steps", type=at_least(1), default=20, metavar="N",
+                        help="train: timed steps of each variant per round (default 20)")
+    parser.add_argument("--rounds", type=at_least(1), default=5, metavar="N",
+                        help="train: rounds, the variants alternating (default 5)")
+    parser.add_argument("--big-rows", type=at_least(1), default=16_000_000, metavar="N",
+                        help="big-ssd: rows of the big table (default 16000000)")
+    parser.add_argument("--big-dim", type=at_least(1), default=64, metavar="D",
+                        help="big-ssd: its embedding dimension (default 64)")
+    parser.add_argument("--big-steps", type=at_least(1), default=60, metavar="N",
+                        help="big-ssd: training steps (default 60)")
+    parser.add_argument("--big-cache-rows", type=at_least(1), default=32_768, metavar="N",
+                        help="big-ssd: rows of its cache (default 32768)")
+    parser.add_argument("--data-limit-gb", type=float, default=1.0, metavar="GB",
+                        help="big-ssd: the child's data segment cap, RLIMIT_DATA (default 1)")
+    parser.add_argument("--resident-budget-mb", type=at_least(1), default=256, metavar="MB",
+                        help="big-ssd: pages of the SSD store released after about this much is written "
+                             "while it is initialised (default 256)")
     parser.add_argument("--big-checkpoint-bits", type=int, default=32, choices=(32, 8, 4, 2),
-                        help="row_bits of the big table's checkpoint (32 = exact)")
-    parser.add_argument("--workdir", default="")
+                        help="big-ssd: row_bits of the big table's checkpoint (32 = exact)")
+    parser.add_argument("--workdir", default="", metavar="DIR",
+                        help="folder for the SSD stores and the checkpoint, kept (default: a temporary "
+                             "folder, removed at the end)")
     parser.add_argument("--child-big-ssd", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", RuntimeWarning)
     if args.child_big_ssd:
