@@ -221,13 +221,32 @@ class DataConfig:
 
     def check_inputs_exist(self) -> None:
         """Raise ``FileNotFoundError`` naming the key when the chosen source's input file or directory
-        is missing. The sources check it too, when built; ``neorec train --nproc N`` asks before it
+        is missing (``IsADirectoryError`` / ``NotADirectoryError`` when it is of the other kind). The sources check it too, when built; ``neorec train --nproc N`` asks before it
         starts ranks, so that the error is said once rather than by every rank."""
         if self.source == "criteo":
             for key in ("train_path", "eval_path"):
                 path = getattr(self.criteo, key)
-                if path and not Path(path).is_file():
-                    raise FileNotFoundError(f"Criteo TSV file not found: {path} (data.criteo.{key}; `neorec data "
-                                            f"write-criteo {path}` writes learnable synthetic data in its layout)")
-        elif self.source == "movielens" and not Path(self.movielens.path).is_dir():
-            raise FileNotFoundError(f"MovieLens directory not found: {self.movielens.path} (data.movielens.path)")
+                if path:
+                    check_criteo_tsv(path, f"data.criteo.{key}", held_out=key == "eval_path")
+        elif self.source == "movielens":
+            path = self.movielens.path
+            if Path(path).exists() and not Path(path).is_dir():
+                raise NotADirectoryError(f"MovieLens path {path} is a file, not a directory (data.movielens.path): "
+                                         "give the directory that holds the dataset's files")
+            if not Path(path).is_dir():
+                raise FileNotFoundError(f"MovieLens directory not found: {path} (data.movielens.path)")
+
+
+def check_criteo_tsv(path: str | Path, what: str, held_out: bool = False) -> None:
+    """Raise, naming ``what`` (the setting or option that gave ``path``), unless ``path`` is a
+    file: ``FileNotFoundError`` with the command that writes one (``--held-out`` for an eval file)
+    when it is missing, ``IsADirectoryError`` for a directory (writing there would fail too)."""
+    p = Path(path)
+    if p.is_file():
+        return
+    if p.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, not a Criteo TSV file ({what}); give the path of a TSV file")
+    if p.exists():  # a device, a pipe, a socket: not read as a file here
+        raise ValueError(f"{path} is not a regular file ({what}); give the path of a Criteo TSV file")
+    raise FileNotFoundError(f"Criteo TSV file not found: {path} ({what}; `neorec data write-criteo {path}"
+                            f"{' --held-out' if held_out else ''}` writes learnable synthetic data in its layout)")

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from neorec.data.batch import Batch
-from neorec.data.config import CriteoConfig
+from neorec.data.config import CriteoConfig, check_criteo_tsv
 from neorec.data.criteo_tsv import (NUM_CATEGORICAL, NUM_COLUMNS, NUM_INTEGER, categorical_id,
                                     parse_chunk, write_criteo_tsv)
 from neorec.data.source import EpochOrder, batch_ranges, check_batch_args, one_table_per_feature
@@ -104,8 +104,7 @@ def preprocess_criteo(
     if chunk_lines < 1:
         raise ValueError(f"chunk_lines must be >= 1, got {chunk_lines}")
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
-    if not tsv_path.is_file():
-        raise FileNotFoundError(f"Criteo TSV file not found: {tsv_path}")
+    check_criteo_tsv(tsv_path, "the file to preprocess")
     made = []  # the folders this call makes (out_dir and missing parents), deepest first
     folder = out_dir.absolute()
     while not folder.exists():
@@ -448,8 +447,7 @@ def load_or_preprocess(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, 
 
     The check and the build run under ``out_dir``'s lock: of several processes asking at once, one
     preprocesses and the others wait for it and then map its copy."""
-    if not Path(tsv_path).is_file():
-        raise FileNotFoundError(f"Criteo TSV file not found: {tsv_path}")
+    check_criteo_tsv(tsv_path, "the file to preprocess")
     with preprocessing_lock(tsv_path, out_dir):
         if not cache_is_fresh(tsv_path, out_dir, num_embeddings, skip_malformed):
             preprocess_criteo(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
@@ -480,8 +478,9 @@ class CriteoSource:
         self.num_dense = NUM_INTEGER
         self.feature_names = cfg.feature_names()
         processed = Path(cfg.processed_dir or f"{cfg.train_path}.neorec")
-        if not Path(cfg.train_path).is_file():  # before making the processed copy's folder beside it
-            raise FileNotFoundError(f"Criteo TSV file not found: {cfg.train_path}")
+        for key in ("train_path", "eval_path"):  # before making the processed copy's folder beside train_path
+            if getattr(cfg, key):
+                check_criteo_tsv(getattr(cfg, key), f"data.criteo.{key}", held_out=key == "eval_path")
         try:
             processed.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -1,0 +1,67 @@
+"""`neorec data write-criteo` / `preprocess-criteo` (and `neorec train` on Criteo data): what they
+say about inputs and output folders that cannot be used, before any work is done."""
+
+import builtins
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from neorec.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+CRITEO = ROOT / "configs" / "criteo.toml"
+
+
+@pytest.fixture
+def tsv(tmp_path):
+    path = tmp_path / "s.tsv"
+    assert main(["data", "write-criteo", str(path), "--lines", "50"]) == 0
+    return path
+
+
+def _one_line(err: str) -> str:
+    assert err.count("\n") == 1, err
+    assert "Errno" not in err and ".tmp-" not in err, err
+    return err
+
+
+def _refuse_writes_in(monkeypatch, folder: Path) -> None:
+    """Files cannot be created in ``folder`` (a read-only folder, as root sees none)."""
+    real_open, real_os_open = builtins.open, os.open
+    folder = str(folder.absolute())
+
+    def inside(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and os.path.dirname(os.path.abspath(path)) == folder
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if inside(file) and any(c in mode for c in "wax+"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(os, "open", guarded_os_open)
+
+
+def test_train_on_a_directory_or_a_file_says_which_it_is(tmp_path, capsys):
+    """A Criteo path that is a directory was "not found", with a `write-criteo DIR` suggestion that
+    fails; a MovieLens path that is a file was "directory not found"."""
+    folder = tmp_path / "somedir"
+    folder.mkdir()
+    assert main(["train", "--config", str(CRITEO), "--no-progress", "--output-dir", str(tmp_path / "run"),
+                 "--set", f"data.criteo.train_path='{folder}'"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err == f"neorec train: error: {folder} is a directory, not a Criteo TSV file (data.criteo.train_path)" \
+                  "; give the path of a TSV file\n", err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["train", "--config", str(ROOT / "configs" / "movielens.toml"), "--no-progress",
+                 "--output-dir", str(tmp_path / "run"), "--set", f"data.movielens.path='{afile}'"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"MovieLens path {afile} is a file, not a directory (data.movielens.path)" in err, err
