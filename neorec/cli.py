@@ -176,15 +176,21 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from neorec.data import criteo
 
     if args.data_command == "write-criteo":
-        for option, value in (("--lines", args.lines), ("--seed", args.seed)):  # named as the options
-            if value < 0:
-                raise ValueError(f"{option} must be >= 0, got {value}")
+        if args.lines < 1:  # an empty file, which every later step refuses
+            raise ValueError(f"--lines must be >= 1, got {args.lines}")
+        if args.seed < 0:  # named as the option (not as data.synthetic.seed)
+            raise ValueError(f"--seed must be >= 0, got {args.seed}")
         criteo.write_criteo_tsv(args.path, num_lines=args.lines, seed=args.seed, held_out=args.held_out)
         print(f"wrote {args.lines:,} {'held-out ' if args.held_out else ''}lines to {args.path}")
         return 0
     if args.data_command == "preprocess-criteo":
         if args.num_embeddings < 2:
             raise ValueError(f"--num-embeddings must be >= 2 (row 0 holds missing values), got {args.num_embeddings}")
+        from neorec.data.config import check_criteo_tsv
+
+        for tsv, what in [(args.tsv, "TSV"), (args.eval_tsv, "--eval-tsv")]:  # all, before hours of work on one
+            if tsv is not None:
+                check_criteo_tsv(tsv, what, held_out=what == "--eval-tsv")
         processed = args.processed_dir or f"{args.tsv}.neorec"
         sets = [f"data.criteo.train_path={toml_string(args.tsv)}"]
         for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")]:

@@ -49,6 +49,38 @@ def _refuse_writes_in(monkeypatch, folder: Path) -> None:
     monkeypatch.setattr(os, "open", guarded_os_open)
 
 
+def test_preprocess_criteo_checks_every_input_before_starting(tsv, tmp_path, capsys):
+    """A missing --eval-tsv was found after the whole training file was preprocessed (hours on a
+    Terabyte day); a directory given as a TSV was "not found"."""
+    capsys.readouterr()
+    processed = tmp_path / "p"
+    missing = tmp_path / "missing.tsv"
+    assert main(["data", "preprocess-criteo", str(tsv), str(processed), "--eval-tsv", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err)
+    assert f"Criteo TSV file not found: {missing} (--eval-tsv" in err, err
+    assert out == "" and not (processed / "train").exists()
+    folder = tmp_path / "somedir"
+    folder.mkdir()
+    for argv, option in [([str(tsv), str(processed), "--eval-tsv", str(folder)], "--eval-tsv"),
+                         ([str(folder), str(processed)], "TSV")]:
+        assert main(["data", "preprocess-criteo", *argv]) == 2
+        out, err = capsys.readouterr()
+        _one_line(err)
+        assert f"{folder} is a directory, not a Criteo TSV file ({option})" in err, err
+        assert "write-criteo" not in err and out == "" and not (processed / "train").exists()
+    assert not (folder.parent / "somedir.neorec").exists()
+
+
+def test_write_criteo_refuses_zero_lines(tmp_path, capsys):
+    """`--lines 0` wrote an empty file that every later step refuses."""
+    target = tmp_path / "w0.tsv"
+    assert main(["data", "write-criteo", str(target), "--lines", "0"]) == 2
+    assert capsys.readouterr().err == "neorec data: error: --lines must be >= 1, got 0\n"
+    assert not target.exists()
+    assert main(["data", "write-criteo", str(target), "--lines", "1"]) == 0 and target.read_text().count("\n") == 1
+
+
 def test_train_on_a_directory_or_a_file_says_which_it_is(tmp_path, capsys):
     """A Criteo path that is a directory was "not found", with a `write-criteo DIR` suggestion that
     fails; a MovieLens path that is a file was "directory not found"."""

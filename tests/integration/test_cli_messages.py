@@ -383,7 +383,7 @@ def test_a_negative_max_steps_is_named_as_the_option_given(capsys):
 def test_option_mistakes_are_named_as_the_options(tmp_path, capsys):
     """Errors named the functions' parameters (num_lines, skip_malformed), or missed the point."""
     assert main(["data", "write-criteo", str(tmp_path / "x.tsv"), "--lines", "-5"]) == 2
-    assert "--lines must be >= 0, got -5" in capsys.readouterr().err
+    assert "--lines must be >= 1, got -5" in capsys.readouterr().err
     assert main(["data", "preprocess-criteo", str(tmp_path / "x.tsv"), "--num-embeddings", "1"]) == 2
     assert "--num-embeddings must be >= 2" in capsys.readouterr().err
     bad = tmp_path / "bad.tsv"
