@@ -192,13 +192,16 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if tsv is not None:
                 check_criteo_tsv(tsv, what, held_out=what == "--eval-tsv")
         processed = args.processed_dir or f"{args.tsv}.neorec"
+        where = ("PROCESSED_DIR, the second argument" if args.processed_dir is not None else
+                 "by default TSV.neorec beside the TSV; the second argument, PROCESSED_DIR, puts it elsewhere")
+        inputs = [(tsv, split) for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")] if tsv is not None]
+        for _, split in inputs:  # every output folder too, before any work
+            criteo.check_processed_dir(os.path.join(processed, split), where)
         sets = [f"data.criteo.train_path={toml_string(args.tsv)}"]
-        for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")]:
-            if tsv is None:
-                continue
+        for tsv, split in inputs:
             out = os.path.join(processed, split)
             stats = criteo.preprocess_criteo(tsv, out, num_embeddings=args.num_embeddings,
-                                             skip_malformed=args.skip_malformed)
+                                             skip_malformed=args.skip_malformed, where=where)
             for example in stats.skipped_examples:
                 print(f"  skipped {example}")
             if stats.num_rows == 0:  # training on it would stop at "has no training rows": not left as a copy

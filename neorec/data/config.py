@@ -221,8 +221,9 @@ class DataConfig:
 
     def check_inputs_exist(self) -> None:
         """Raise ``FileNotFoundError`` naming the key when the chosen source's input file or directory
-        is missing (``IsADirectoryError`` / ``NotADirectoryError`` when it is of the other kind). The sources check it too, when built; ``neorec train --nproc N`` asks before it
-        starts ranks, so that the error is said once rather than by every rank."""
+        is missing (``IsADirectoryError`` / ``NotADirectoryError`` when it is of the other kind). The
+        sources check it too, when built; ``neorec train --nproc N`` asks before it starts ranks, so
+        that the error is said once rather than by every rank."""
         if self.source == "criteo":
             for key in ("train_path", "eval_path"):
                 path = getattr(self.criteo, key)

@@ -53,6 +53,7 @@ __all__ = ["CriteoSource", "CriteoArrays", "PreprocessStats", "preprocess_criteo
            "write_criteo_tsv", "categorical_id", "NUM_COLUMNS"]
 
 FORMAT_VERSION = 1
+PROCESSED_DIR_SETTING = "data.criteo.processed_dir"  # what chooses the processed copy's folder, in errors
 META_FILE = "meta.json"
 SHUFFLE_BLOCK_ROWS = 256
 DEFAULT_CHUNK_LINES = 2048
@@ -87,6 +88,7 @@ def preprocess_criteo(
     num_embeddings: int,
     skip_malformed: bool = False,
     chunk_lines: int = DEFAULT_CHUNK_LINES,
+    where: str = PROCESSED_DIR_SETTING,
 ) -> PreprocessStats:
     """Stream a raw Criteo TSV into the processed layout in ``out_dir`` (see the module docstring).
 
@@ -97,7 +99,9 @@ def preprocess_criteo(
     renamed when complete; ``meta.json`` is written last, so a crash never leaves a cache that
     looks valid. Runs under ``out_dir``'s lock (see ``preprocessing_lock``), and first removes the
     temporaries that a killed preprocessing of ``out_dir`` left (those whose process is gone). A
-    failed write raises ``OSError`` naming the file (a full disk, most likely).
+    failed write raises ``OSError`` naming the file (a full disk, most likely). An ``out_dir`` that
+    cannot be made or written in is refused first (``check_processed_dir``; ``where`` names what
+    chose the folder).
     """
     if num_embeddings < 2:
         raise ValueError(f"num_embeddings must be >= 2 (row 0 holds missing values), got {num_embeddings}")
@@ -105,6 +109,7 @@ def preprocess_criteo(
         raise ValueError(f"chunk_lines must be >= 1, got {chunk_lines}")
     tsv_path, out_dir = Path(tsv_path), Path(out_dir)
     check_criteo_tsv(tsv_path, "the file to preprocess")
+    check_processed_dir(out_dir, where)
     made = []  # the folders this call makes (out_dir and missing parents), deepest first
     folder = out_dir.absolute()
     while not folder.exists():
@@ -271,6 +276,34 @@ def _writing(path: Path) -> Iterator[None]:
         raise OSError(f"writing {path} failed ({reason}): the disk may be full; free space there or "
                       "put the processed copy on another disk (data.criteo.processed_dir, or the output directory of "
                       "preprocess-criteo)") from exc
+
+
+def processed_dir_error(folder: str | os.PathLike, where: str, reason: str, verb: str = "make") -> ValueError:
+    """The error for a processed copy's folder that cannot be used: ``where`` says what chose it
+    (the setting, or preprocess-criteo's argument), so that the user knows what to change."""
+    return ValueError(f"cannot {verb} {folder}, the folder of the processed copy ({where}): {reason}")
+
+
+def check_processed_dir(out_dir: str | os.PathLike, where: str = PROCESSED_DIR_SETTING) -> None:
+    """Raise ``processed_dir_error`` unless a processed copy can be written into ``out_dir``: an
+    existing folder in which a file can be made, or a folder that can be made (its nearest existing
+    ancestor is a folder in which a file can be made). Makes no folder and leaves no file, so that
+    it can be asked of every output before any work, and of a read-only copy that would be rebuilt
+    (the error named one of the copy's temporaries)."""
+    out_dir = Path(out_dir)
+    existing = next(p for p in (out_dir, *out_dir.parents) if os.path.lexists(p))
+    verb = "write in" if existing == out_dir else "make"
+    if not existing.is_dir():  # (a file, or a link to nothing)
+        kind = "a file, not a directory" if existing.is_file() else "not a directory"
+        raise processed_dir_error(out_dir, where, f"{existing} is {kind}")
+    probe = existing / f".neorec-write-test.{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise processed_dir_error(out_dir, where, reason if existing == out_dir else f"{reason} (in {existing})",
+                                  verb=verb) from None
 
 
 def remove_processed(out_dir: str | os.PathLike) -> None:
@@ -442,15 +475,18 @@ def open_processed(out_dir: str | os.PathLike) -> CriteoArrays:
 
 
 def load_or_preprocess(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, num_embeddings: int,
-                       skip_malformed: bool = False, chunk_lines: int = DEFAULT_CHUNK_LINES) -> CriteoArrays:
-    """The processed arrays of ``tsv_path``, (re)building ``out_dir`` when missing or stale.
+                       skip_malformed: bool = False, chunk_lines: int = DEFAULT_CHUNK_LINES,
+                       where: str = PROCESSED_DIR_SETTING) -> CriteoArrays:
+    """The processed arrays of ``tsv_path``, (re)building ``out_dir`` when missing or stale (a
+    fresh copy is used where nothing can be written, a read-only one; see ``preprocess_criteo`` for
+    ``where``).
 
     The check and the build run under ``out_dir``'s lock: of several processes asking at once, one
     preprocesses and the others wait for it and then map its copy."""
     check_criteo_tsv(tsv_path, "the file to preprocess")
     with preprocessing_lock(tsv_path, out_dir):
         if not cache_is_fresh(tsv_path, out_dir, num_embeddings, skip_malformed):
-            preprocess_criteo(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines)
+            preprocess_criteo(tsv_path, out_dir, num_embeddings, skip_malformed, chunk_lines, where)
         return open_processed(out_dir)
 
 
@@ -481,13 +517,12 @@ class CriteoSource:
         for key in ("train_path", "eval_path"):  # before making the processed copy's folder beside train_path
             if getattr(cfg, key):
                 check_criteo_tsv(getattr(cfg, key), f"data.criteo.{key}", held_out=key == "eval_path")
+        where = PROCESSED_DIR_SETTING + ("" if cfg.processed_dir else ", by default beside train_path")
         try:
             processed.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"cannot make {processed}, the folder of the processed copy (data.criteo.processed_dir"
-                             f"{'' if cfg.processed_dir else ', by default beside train_path'}): "
-                             f"{exc.strerror or exc}") from None
-        args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines)
+            raise processed_dir_error(processed, where, exc.strerror or str(exc)) from None
+        args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines, where)
         self._train = load_or_preprocess(cfg.train_path, processed / "train", *args)
         _report_skipped(cfg.train_path, self._train)
         if cfg.eval_path:

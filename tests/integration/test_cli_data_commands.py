@@ -27,6 +27,27 @@ def _one_line(err: str) -> str:
     return err
 
 
+def test_preprocess_criteo_into_a_folder_that_cannot_be_made_names_it_and_the_argument(tsv, tmp_path, capsys):
+    """It was a bare "[Errno 20] Not a directory: 'afile/train'" (and Errno 13 for a folder that
+    cannot be written), with no word of the PROCESSED_DIR argument that chooses the folder."""
+    capsys.readouterr()
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    for processed in (blocker, blocker / "sub"):
+        assert main(["data", "preprocess-criteo", str(tsv), str(processed)]) == 2
+        out, err = capsys.readouterr()
+        _one_line(err)
+        assert err.startswith(f"neorec data: error: cannot make {processed / 'train'}, the folder of the processed "
+                              "copy (PROCESSED_DIR, the second argument): "), err
+        assert f"{blocker} is a file, not a directory" in err, err
+        assert "preprocessed" not in out
+    (tmp_path / "s.tsv.neorec").write_text("")  # the default folder, beside the TSV
+    assert main(["data", "preprocess-criteo", str(tsv)]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"cannot make {tmp_path / 's.tsv.neorec' / 'train'}, the folder of the processed copy (by default " \
+           "TSV.neorec beside the TSV; the second argument, PROCESSED_DIR, puts it elsewhere)" in err, err
+
+
 def _refuse_writes_in(monkeypatch, folder: Path) -> None:
     """Files cannot be created in ``folder`` (a read-only folder, as root sees none)."""
     real_open, real_os_open = builtins.open, os.open
@@ -47,6 +68,42 @@ def _refuse_writes_in(monkeypatch, folder: Path) -> None:
 
     monkeypatch.setattr(builtins, "open", guarded_open)
     monkeypatch.setattr(os, "open", guarded_os_open)
+
+
+def test_preprocess_criteo_over_a_read_only_copy_names_the_folder_not_a_temporary(tsv, tmp_path, capsys, monkeypatch):
+    """It said "[Errno 13] Permission denied: '.../train/.dense.f32.tmp-4807'"."""
+    processed = tmp_path / "p"
+    assert main(["data", "preprocess-criteo", str(tsv), str(processed)]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in (processed / "train").iterdir()}
+    capsys.readouterr()
+    _refuse_writes_in(monkeypatch, processed / "train")
+    assert main(["data", "preprocess-criteo", str(tsv), str(processed)]) == 2
+    out, err = capsys.readouterr()
+    monkeypatch.undo()
+    _one_line(err)
+    assert err == f"neorec data: error: cannot write in {processed / 'train'}, the folder of the processed copy " \
+                  "(PROCESSED_DIR, the second argument): Permission denied\n", err
+    assert "preprocessed" not in out
+    assert {p.name: p.stat().st_mtime_ns for p in (processed / "train").iterdir()} == before
+
+
+def test_preprocess_criteo_into_a_read_only_folder(tsv, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    capsys.readouterr()
+    if os.geteuid() == 0:  # root writes in read-only folders
+        _refuse_writes_in(monkeypatch, locked)
+    else:
+        locked.chmod(0o555)
+    try:
+        assert main(["data", "preprocess-criteo", str(tsv), str(locked / "p")]) == 2
+    finally:
+        monkeypatch.undo()
+        locked.chmod(0o755)
+    err = _one_line(capsys.readouterr().err)
+    assert err == f"neorec data: error: cannot make {locked / 'p' / 'train'}, the folder of the processed copy " \
+                  f"(PROCESSED_DIR, the second argument): Permission denied (in {locked})\n", err
+    assert list(locked.iterdir()) == []
 
 
 def test_preprocess_criteo_checks_every_input_before_starting(tsv, tmp_path, capsys):
