@@ -204,10 +204,9 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                              skip_malformed=args.skip_malformed, where=where)
             for example in stats.skipped_examples:
                 print(f"  skipped {example}")
-            if stats.num_rows == 0:  # training on it would stop at "has no training rows": not left as a copy
-                criteo.remove_processed(out)
-                why = f"its {stats.num_skipped:,} lines are all malformed" if stats.num_lines else "empty"
-                raise ValueError(f"{tsv} holds no rows ({why}):"
+            if stats.num_rows == 0:  # training on it would stop at "holds no rows": not left as a copy
+                criteo.remove_empty_copy(tsv, out)  # (as training removes it; the lock file stays)
+                raise ValueError(f"{tsv} holds no rows ({criteo.no_rows_reason(stats.num_lines, stats.num_skipped)}):"
                                  f" nothing to {'train' if split == 'train' else 'evaluate'} on")
             skipped = f", {stats.num_skipped:,} malformed lines skipped" if stats.num_skipped else ""
             print(f"preprocessed {tsv} -> {out}: {stats.num_rows:,} rows of {stats.num_lines:,} lines"

@@ -306,11 +306,25 @@ def check_processed_dir(out_dir: str | os.PathLike, where: str = PROCESSED_DIR_S
                                   verb=verb) from None
 
 
-def remove_processed(out_dir: str | os.PathLike) -> None:
-    """Remove the processed copy ``out_dir``: its files and its lock beside it."""
+def no_rows_reason(num_lines: int, num_skipped: int) -> str:
+    """Why a TSV gave no rows, for the error that refuses it."""
+    return f"its {num_skipped:,} lines are all malformed" if num_lines else "empty"
+
+
+def remove_empty_copy(tsv_path: str | os.PathLike, out_dir: str | os.PathLike) -> bool:
+    """Remove the processed copy ``out_dir`` if it holds no rows (a TSV that is empty, or whose
+    every line was skipped as malformed: training on it cannot run, so it is not kept); whether it
+    did. Under the copy's lock, whose file stays (unlinked, a process waiting on it would build
+    beside a newcomer), as a failed ``preprocess_criteo`` leaves it."""
     out_dir = Path(out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.with_name(f"{out_dir.name}.lock").unlink(missing_ok=True)
+    with preprocessing_lock(tsv_path, out_dir):
+        try:
+            if int(json.loads((out_dir / META_FILE).read_text())["num_rows"]) != 0:
+                return False
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return True
 
 
 @contextmanager
@@ -491,6 +505,13 @@ def load_or_preprocess(tsv_path: str | os.PathLike, out_dir: str | os.PathLike, 
 
 
 # ------------------------------------------------------------------------------- source
+def _remove_empty(tsv_path: str, out_dir: Path, arrays: CriteoArrays) -> str:
+    """Remove the copy of no rows ``out_dir`` (see ``remove_empty_copy``) and say why it has none."""
+    remove_empty_copy(tsv_path, out_dir)
+    stats = arrays.meta.get("stats", {})
+    return no_rows_reason(stats.get("num_lines", 0), stats.get("num_skipped", 0))
+
+
 def _report_skipped(tsv_path: str, arrays: CriteoArrays) -> None:
     """Say (once per run: on rank 0 or a single process) how many malformed lines the copy left out."""
     stats = arrays.meta.get("stats", {})
@@ -525,9 +546,18 @@ class CriteoSource:
         args = (cfg.num_embeddings, cfg.skip_malformed, cfg.chunk_lines, where)
         self._train = load_or_preprocess(cfg.train_path, processed / "train", *args)
         _report_skipped(cfg.train_path, self._train)
+        if self._train.num_rows == 0:  # (before preprocessing the eval file)
+            why = _remove_empty(cfg.train_path, processed / "train", self._train)
+            raise ValueError(f"Criteo data {cfg.train_path} holds no rows ({why}): nothing to train on "
+                             "(data.criteo.train_path)")
         if cfg.eval_path:
             self._eval = load_or_preprocess(cfg.eval_path, processed / "eval", *args)
             _report_skipped(cfg.eval_path, self._eval)
+            if self._eval.num_rows == 0:
+                why = _remove_empty(cfg.eval_path, processed / "eval", self._eval)
+                raise ValueError(f"Criteo eval data {cfg.eval_path} holds no rows ({why}): give data.criteo.eval_path "
+                                 "a non-empty TSV file, or leave it empty to hold out the last eval_fraction of "
+                                 "the training file")
             self._train_rows = (0, self._train.num_rows)
             self._eval_rows = (0, self._eval.num_rows)
         else:
@@ -535,13 +565,11 @@ class CriteoSource:
             n = self._train.num_rows
             num_eval = int(round(n * cfg.eval_fraction))
             self._train_rows, self._eval_rows = (0, n - num_eval), (n - num_eval, n)
-        if self.num_train_samples() == 0:
-            raise ValueError(f"Criteo data {cfg.train_path} has no training rows")
-        if self.num_eval_samples() == 0 and (cfg.eval_path or cfg.eval_fraction > 0):  # 0: no eval asked for
-            if cfg.eval_path:
-                raise ValueError(f"Criteo eval data {cfg.eval_path} has no rows: give data.criteo.eval_path "
-                                 "a non-empty TSV file, or leave it empty to hold out the last eval_fraction "
-                                 "of the training file")
+        if self.num_train_samples() == 0:  # (rows, all held out)
+            raise ValueError(f"Criteo data {cfg.train_path}: eval_fraction {cfg.eval_fraction} of its "
+                             f"{self._train.num_rows:,} rows leaves no training rows: lower data.criteo.eval_fraction "
+                             "or set data.criteo.eval_path to a held-out TSV file")
+        if self.num_eval_samples() == 0 and cfg.eval_fraction > 0:  # 0: no eval asked for
             raise ValueError(f"Criteo data {cfg.train_path}: eval_fraction {cfg.eval_fraction} of its "
                              f"{self._train.num_rows:,} rows leaves no eval rows: raise data.criteo.eval_fraction "
                              "or set data.criteo.eval_path to a held-out TSV file")

@@ -138,6 +138,25 @@ def test_write_criteo_refuses_zero_lines(tmp_path, capsys):
     assert main(["data", "write-criteo", str(target), "--lines", "1"]) == 0 and target.read_text().count("\n") == 1
 
 
+@pytest.mark.parametrize("content,why", [("", "empty"), ("a,b,c\n1,2,3\n", "its 2 lines are all malformed")])
+def test_train_on_a_tsv_without_rows_says_why_and_leaves_no_copy(tmp_path, capsys, content, why):
+    """It said "Criteo data empty.tsv has no training rows" and left a 0-row copy behind (the
+    copy preprocess-criteo removes)."""
+    path = tmp_path / "empty.tsv"
+    path.write_text(content)
+    assert main(["train", "--config", str(CRITEO), "--no-progress", "--output-dir", str(tmp_path / "run"),
+                 "--set", f"data.criteo.train_path='{path}'", "--set", "data.criteo.skip_malformed=true"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"{path} holds no rows ({why}): nothing to train on" in err, err
+    processed = tmp_path / "empty.tsv.neorec"
+    assert not (processed / "train").exists()
+    assert [p.name for p in processed.iterdir()] == ["train.lock"]  # kept: see preprocess_criteo
+    # as preprocess-criteo leaves it
+    assert main(["data", "preprocess-criteo", str(path), "--skip-malformed"]) == 2
+    assert f"{path} holds no rows ({why}): nothing to train on" in capsys.readouterr().err
+    assert [p.name for p in processed.iterdir()] == ["train.lock"]
+
+
 def test_train_on_a_directory_or_a_file_says_which_it_is(tmp_path, capsys):
     """A Criteo path that is a directory was "not found", with a `write-criteo DIR` suggestion that
     fails; a MovieLens path that is a file was "directory not found"."""

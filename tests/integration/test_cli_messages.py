@@ -94,7 +94,7 @@ def test_preprocessing_a_tsv_without_rows_fails_and_a_negative_seed_is_named_as_
     out, err = capsys.readouterr()
     assert "preprocessed" not in out and "train on it" not in out and "  skipped " in out  # the examples
     assert err == f"neorec data: error: {junk} holds no rows (its 2 lines are all malformed): nothing to train on\n"
-    assert list((tmp_path / "b").iterdir()) == []
+    assert list((tmp_path / "b").iterdir()) == [tmp_path / "b" / "train.lock"]  # the lock file stays
     assert main(["data", "write-criteo", str(tmp_path / "x.tsv"), "--lines", "10", "--seed", "-1"]) == 2
     assert capsys.readouterr().err == "neorec data: error: --seed must be >= 0, got -1\n"
     assert not (tmp_path / "x.tsv").exists()

@@ -113,7 +113,8 @@ def test_skipped_lines_are_reported_when_training(tmp_path, capsys):
 def test_empty_eval_set_is_refused(tsv, tmp_path):
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
-    with pytest.raises(ValueError, match=f"Criteo eval data {empty} has no rows: give data.criteo.eval_path"):
+    with pytest.raises(ValueError, match=f"Criteo eval data {empty} holds no rows \\(empty\\): give "
+                                         "data.criteo.eval_path"):
         CriteoSource(CriteoConfig(train_path=str(tsv), eval_path=str(empty), processed_dir=str(tmp_path / "p"),
                                   num_embeddings=ROWS))
     tiny = tmp_path / "tiny.tsv"

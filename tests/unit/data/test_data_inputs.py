@@ -105,3 +105,38 @@ def test_check_processed_dir_makes_nothing(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     with pytest.raises(ValueError, match=r"link is not a directory"):
         check_processed_dir(tmp_path / "link" / "train", "X")
+
+
+@pytest.mark.parametrize("content,why", [("", "empty"), ("a,b,c\n1,2,3\n", "its 2 lines are all malformed")])
+def test_a_training_file_without_rows_is_refused_and_its_copy_removed(tmp_path, content, why):
+    """The source said "has no training rows" and kept the 0-row copy (meta.json, dense.f32, ...)."""
+    path = tmp_path / "empty.tsv"
+    path.write_text(content)
+    cfg = CriteoConfig(train_path=str(path), processed_dir=str(tmp_path / "p"), num_embeddings=ROWS,
+                       skip_malformed=True)
+    for _ in range(2):
+        with pytest.raises(ValueError) as info:
+            CriteoSource(cfg)
+        assert str(info.value) == f"Criteo data {path} holds no rows ({why}): nothing to train on " \
+                                  "(data.criteo.train_path)"
+        assert [p.name for p in (tmp_path / "p").iterdir()] == ["train.lock"]
+
+
+def test_an_eval_file_without_rows_is_refused_and_its_copy_removed(tmp_path):
+    train, empty = tmp_path / "t.tsv", tmp_path / "e.tsv"
+    write_criteo_tsv(train, 200, seed=1)
+    empty.write_text("")
+    with pytest.raises(ValueError) as info:
+        CriteoSource(CriteoConfig(train_path=str(train), eval_path=str(empty), processed_dir=str(tmp_path / "p"),
+                                  num_embeddings=ROWS))
+    assert str(info.value).startswith(f"Criteo eval data {empty} holds no rows (empty): give data.criteo.eval_path "
+                                      "a non-empty TSV file"), info.value
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["eval.lock", "train", "train.lock"]
+
+
+def test_a_training_share_of_no_rows_names_eval_fraction(tmp_path):
+    one = tmp_path / "one.tsv"
+    write_criteo_tsv(one, 1, seed=1)
+    with pytest.raises(ValueError, match=r"eval_fraction 0.6 of its 1 rows leaves no training rows: lower "
+                                         r"data.criteo.eval_fraction"):
+        CriteoSource(CriteoConfig(train_path=str(one), num_embeddings=ROWS, eval_fraction=0.6))
