@@ -1,12 +1,15 @@
 """What a ``Trainer`` is built from: the device, the DLRM and its embedding collection
-(``build_model``), the places of tables off the device in a sharded run (``plan_locations``), the
-dense optimizer (``make_dense_optimizer``) and the SSD stores' folder (``ssd_dir_of``)."""
+(``build_model``, under ``memory_named``), the places of tables off the device in a sharded run
+(``plan_locations``), the dense optimizer (``make_dense_optimizer``) and the SSD stores' folder
+(``ssd_dir_of``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -16,6 +19,8 @@ from neorec.devices import concrete_device
 from neorec.embedding import EmbeddingBagCollection
 from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.locations import TableLocation
+from neorec.embedding.optimizers import STATE_LAYOUT
+from neorec.embedding.precision import storage_dtype
 from neorec.model import DLRM
 from neorec.train.distributed import no_cuda_message
 
@@ -72,6 +77,67 @@ def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_ar
         self_interaction=cfg.model.self_interaction,
     )
     return model.to(device)
+
+
+def memory_bytes(cfg: Config, tables: Sequence) -> int:
+    """Bytes of rows and optimizer state that ``tables`` (``TableConfig``s) of a one-process run
+    hold in memory: all but those on SSD (``cached_ssd``: a memory-mapped store and a cache)."""
+    row_bytes = storage_dtype(cfg.embedding.storage.precision).itemsize
+    state = STATE_LAYOUT[cfg.embedding.optimizer.kind]
+    total = 0
+    for table in tables:
+        if cfg.embedding.location.kind_of(table) != "cached_ssd":
+            rows, dim = table.num_embeddings, table.embedding_dim
+            total += rows * dim * row_bytes + sum(4 * (rows if layout == "row" else rows * dim) for _, layout in state)
+    return total
+
+
+def _machine_memory_bytes() -> Optional[int]:
+    """Physical memory plus swap (Linux), or None where the system does not say."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0 kB").split()[0])) * 1024
+    except (OSError, ValueError, KeyError):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def _out_of_memory_message(needed: Optional[int], why: str, sharded: bool) -> str:
+    from neorec.planner.enumerate import format_bytes
+
+    machine = _machine_memory_bytes()
+    held = f"the embedding tables {'of this rank ' if sharded else ''}held in memory"
+    amount = f" need {format_bytes(needed)} (rows and optimizer state)" if needed else ""
+    has = f", and this machine has {format_bytes(machine)} of memory and swap" if machine else ""
+    return (f"{why}: {held}{amount}{has}. Keep the largest tables on SSD behind a cache "
+            f"(embedding.location.default = \"cached_ssd\" with embedding.location.min_rows, or per table in "
+            f"embedding.location.tables; see the README's \"Embedding cache\"), store rows in fewer bits "
+            f"(embedding.storage.precision = \"fp16\"), or shard the tables over more processes or machines "
+            f"(--nproc, torchrun)")
+
+
+@contextlib.contextmanager
+def memory_named(cfg: Config, tables: Sequence, device: torch.device, sharded: bool) -> Iterator[None]:
+    """Around building a model: a one-process model whose tables in memory exceed this machine's
+    memory and swap is refused before anything is allocated (where the system overcommits, the
+    allocation would succeed and the kernel kill the process as the rows are drawn); an allocation
+    that fails while building is said as what it is, with what to do (ValueError), instead of as
+    the allocator's error."""
+    needed = None if sharded else memory_bytes(cfg, tables)
+    machine = _machine_memory_bytes()
+    if needed and device.type == "cpu" and machine and needed > machine:
+        raise ValueError(_out_of_memory_message(needed, "the model does not fit in memory", sharded))
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:  # (torch's OutOfMemoryError is a RuntimeError)
+        text = str(exc)
+        if not (isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text):
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        raise ValueError(_out_of_memory_message(
+            needed, f"building the model ran out of memory on {device} ({first[:300]})", sharded)) from None
 
 
 def plan_locations(cfg: Config, tables, plan) -> Optional[Dict[str, TableLocation]]:

@@ -38,7 +38,8 @@ from neorec.model import dense_parameters
 from neorec.signals import check_terminated
 from neorec.train.allocator import reuse_freed_memory
 from neorec.train.divergence import NonFiniteLossError, diverged, non_finite_weight
-from neorec.train.build import build_model, make_dense_optimizer, plan_locations, resolve_device, ssd_dir_of
+from neorec.train.build import (build_model, make_dense_optimizer, memory_named, plan_locations, resolve_device,
+                                ssd_dir_of)
 from neorec.train.distributed import (DistributedContext, all_reduce_sum, all_reduce_sums, gather_to_main, local_loss,
                                       split_batch, threads_per_rank)
 from neorec.train.metrics import METRIC_KEYS, MetricsAccumulator, compute_metrics
@@ -129,7 +130,8 @@ class Trainer:
         # them or written to its row stores (for an SSD store, a write of the whole table)
         self.resume = choose_resume(cfg.checkpoint, resume)  # (a torchrun restart: where it saved)
         initial_rows = self.resume.location is None
-        with self._build_progress(tables if initial_rows else []):  # (resumed: nothing drawn, nothing to say)
+        with memory_named(cfg, tables, self.device, distributed is not None), \
+                self._build_progress(tables if initial_rows else []):  # (resumed: nothing drawn, nothing to say)
             sparse_arch = self._sharded_collection(plan, comm_stats, initial_rows) if distributed is not None else None
             self.model = build_model(cfg, self.source, self.device, sparse_arch, initial_rows=initial_rows)
         self.timeline = None
