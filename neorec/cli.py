@@ -46,6 +46,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    """neorec's version with Python's and torch's (read without importing torch: a bug report's line)."""
+    import platform
+    from importlib import metadata
+
+    from neorec import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"neorec {__version__} (Python {platform.python_version()}, torch {torch})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neorec",
@@ -55,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traceback", action="store_true",
                         help="show the full Python traceback on errors (for bug reports); "
                         "NEOREC_TRACEBACK=1 in the environment does the same")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print neorec's, Python's and torch's versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.command_parsers = sub.choices  # {command: its parser}: an unknown argument is said with its usage
     parser.command_dest = "command"
@@ -302,7 +318,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except (ValueError, TypeError, OSError) as exc:  # what the user can fix: bad input, files, folders
         if show_traceback:  # the traceback, then the same line and exit code as without it
             traceback.print_exc()
-        print(f"neorec {args.command}{where}: error: {exc}", file=sys.stderr)
+        _say_error(f"neorec {args.command}{where}: error: {exc}", exc)
         if isinstance(exc, OSError) and exc.errno in _FAILED_ERRNOS:
             return EXIT_FAILED  # a full disk, an I/O error: the run failed, the command was fine
         return getattr(exc, "exit_code", EXIT_USAGE)  # a diverged run failed (1); it was not misused
@@ -320,7 +336,26 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             traceback.print_exc()
             print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message}", file=sys.stderr)
             return EXIT_FAILED
-        print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
-              f"`neorec --traceback {args.command} ...` shows where it happened)", file=sys.stderr)
+        _say_error(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
+                   f"`neorec --traceback {args.command} ...` shows where it happened)", exc)
         return EXIT_FAILED
+
+
+def _say_error(line: str, exc: BaseException) -> None:
+    """The error line on stderr; in a rank of ``--nproc N``, to the launcher instead, which says each
+    distinct line once for all the ranks that said it (``neorec.train.launch.error_file``). A rank
+    relaying another rank's error (``exc.relayed``) leaves it to that rank."""
+    from neorec.train.launch import error_file
+
+    file = error_file()
+    if file is None:
+        print(line, file=sys.stderr)
+        return
+    if getattr(exc, "relayed", False):
+        return
+    rank = f" (rank {os.environ.get('RANK', '0')})"
+    try:
+        file.write_text(line.replace(rank, " ({RANKS})", 1) + "\n")
+    except OSError:  # (the launcher's folder gone): said here
+        print(line, file=sys.stderr)
 

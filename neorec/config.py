@@ -137,7 +137,7 @@ class TrainConfig:
     eval_every_steps: evaluate every N steps (0 = only at the end of each epoch).
     eval_max_batches: cap on eval batches per evaluation (0 = the whole eval set).
     log_every_steps: write a train record to the metrics log every N steps.
-    output_dir: where metrics.jsonl and the resolved config are written.
+    output_dir: where metrics.jsonl and the resolved config are written ("" = neither is written).
     seed: seeds the model init and the dense RNG (the data has its own seed).
     device: "cpu", "cuda" or "auto".
     num_threads: torch intra-op threads (0 = torch's default).
@@ -495,6 +495,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
             if not isinstance(values, dict):
                 raise ValueError(f"config file {str(p)!r}: expected a JSON object of sections, got "
                                  f"{type(values).__name__}")
+            if {"world_size", "tables"} <= set(values):  # (its first key was said unknown)
+                raise ValueError(f"config file {str(p)!r} is a sharding plan (from `neorec plan --out`), not a "
+                                 f"config: give it as --plan {shlex.quote(str(p))}")
         else:
             try:
                 values = tomllib.loads(text)

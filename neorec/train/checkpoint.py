@@ -54,9 +54,9 @@ from neorec.train.checkpoint_tables import (fused_modules, holders, model_pieces
                                             save_pieces)
 from neorec.train.checkpoint_manifest import (FORMAT, MANIFEST, ResumeChoice, _chain_parts, _changed_data_settings,
                                               _changed_optimizer_settings, _manifest_digest, _read_manifest,
-                                              _step_of, _table_shapes, check_resumable, checkpoint_name,
-                                              find_latest_complete, job_identity, newest_saved_step,
-                                              no_checkpoint_message, verify_checkpoint)
+                                              _step_of, _table_shapes, check_resumable, check_resume_location,
+                                              checkpoint_name, find_latest_complete, job_identity,
+                                              newest_saved_step, no_checkpoint_message, verify_checkpoint)
 from neorec.train.distributed import all_reduce_sums
 
 
@@ -350,11 +350,7 @@ class Checkpointer:
         itself when it names one checkpoint (an error if that one is incomplete or corrupt).
         ``found``: (path, manifest) of the checkpoint to load, already verified (not again)."""
         location = Path(location)
-        if not location.exists():
-            raise ValueError(f"--resume: {location} does not exist")
-        if not location.is_dir():
-            raise ValueError(f"--resume: {location} is a file; give a checkpoint folder (checkpoint.dir, or one "
-                             f"step-N folder in it)")
+        check_resume_location(location)
         named = _step_of(location) is not None or (location / MANIFEST).exists()  # one checkpoint, not a root
         self.restoring = (None, location)  # (its files are hashed first: minutes for a large one)
         if found is not None:

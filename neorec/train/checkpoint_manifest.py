@@ -314,6 +314,20 @@ def check_resumable(manifest: dict, path: Path, cfg, source, world_size: int) ->
     return samples_in_epoch
 
 
+def check_resume_location(location: Path) -> None:
+    """ValueError when ``--resume location`` cannot name a checkpoint, found without reading one:
+    it does not exist, is a file, or is a folder with neither a manifest nor step-N folders. Said
+    before a model is built (minutes for a large one) and before ``--nproc`` starts its ranks."""
+    location = Path(location)
+    if not location.exists():
+        raise ValueError(f"--resume: {location} does not exist")
+    if not location.is_dir():
+        raise ValueError(f"--resume: {location} is a file; give a checkpoint folder (checkpoint.dir, or one "
+                         f"step-N folder in it)")
+    if _step_of(location) is None and not (location / MANIFEST).exists() and not _newest_first(location):
+        raise ValueError(no_checkpoint_message(location))
+
+
 def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> None:
     """What every rank of a ``--nproc`` run would refuse alike about ``--resume location``, said
     once by the launcher (``check_resumable`` on the checkpoint the ranks will take). Checks files'
@@ -321,8 +335,7 @@ def check_resume_before_launch(location: Path, cfg, source, world_size: int) -> 
     corrupt): a torn newest checkpoint is skipped here as the ranks skip it (it was checked in
     their place, and its refusal's hint led to a batch size the ranks then refused)."""
     location = Path(location)
-    if not location.is_dir():
-        return  # (the ranks say what is wrong with it)
+    check_resume_location(location)
     named = _step_of(location) is not None or (location / MANIFEST).exists()
     for path in [location] if named else _newest_first(location):
         try:

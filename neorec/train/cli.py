@@ -11,11 +11,12 @@ here into one line and an exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -39,11 +40,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         cfg, plan = _config_and_plan(args, args.nproc, args.nproc)  # said once, before N ranks start and each says it
         _check_before_launch(cfg, plan, args)
+        made = _not_made_yet(_run_folders(cfg))  # (the ranks make them)
         try:
-            return launch_local(args.nproc, list(argv))
+            code = launch_local(args.nproc, list(argv))
         except (KeyboardInterrupt, Terminated):  # the ranks are stopped; say where to go on from; _main says why
             print(f"neorec train: {_saved_checkpoint_hint(cfg.checkpoint.dir, args.resume)}", file=sys.stderr)
+            _remove_left_empty(made)
             raise
+        if code:
+            _remove_left_empty(made)
+        return code
     if args.plan is not None:
         raise ValueError("--plan needs several processes: --nproc 2 or more, or start with torchrun")
     from neorec.files import holding_dirs
@@ -52,27 +58,87 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = _train_config(args)
     cfg.data.check_inputs_exist()  # named by its key, before the model is built
-    if args.resume and not Path(args.resume).exists():  # (said after a model build of minutes, otherwise)
-        raise ValueError(f"--resume: {args.resume} does not exist")
-    with holding_dirs(run_dirs(cfg)):  # another run on these folders: said now; fit() holds them for the run
-        pass
-    if args.resume is None:  # checkpoints of another run in checkpoint.dir: said before the build too
-        refuse_other_runs(cfg.checkpoint)
-    with terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
-        trainer = Trainer(cfg, resume=args.resume)
-        _print_header(cfg, trainer)
-        try:
-            result = trainer.fit()
-        except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
-            print(f"neorec train: stopped {_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
-            raise
-        except BrokenPipeError:  # `neorec train | tee log` and tee died: not a silent stop
-            print(f"neorec train: standard output was closed (its reader went away); stopped "
-                  f"{_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
-            raise
+    if args.resume:  # (said after a model build of minutes, otherwise)
+        from neorec.train.checkpoint_manifest import check_resume_location
+
+        check_resume_location(Path(args.resume))
+    with _removed_if_left_empty(_run_folders(cfg)):  # a refused run leaves no empty folder behind
+        with holding_dirs(run_dirs(cfg)):  # another run on these folders: said now; fit() holds them for the run
+            pass
+        if args.resume is None:  # checkpoints of another run in checkpoint.dir: said before the build too
+            refuse_other_runs(cfg.checkpoint)
+        with terminate_raises():  # (from the build on: a store half made is removed, as after Ctrl-C)
+            trainer = Trainer(cfg, resume=args.resume)
+            _print_header(cfg, trainer)
+            try:
+                result = trainer.fit()
+            except (KeyboardInterrupt, Terminated):  # say where it stopped; _main says why, and exits
+                print(f"neorec train: stopped {_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
+                raise
+            except BrokenPipeError:  # `neorec train | tee log` and tee died: not a silent stop
+                print(f"neorec train: standard output was closed (its reader went away); stopped "
+                      f"{_stopped_where(trainer)}{_resume_hint(trainer)}", file=sys.stderr)
+                raise
     trainer.close()  # its row stores flushed and unlocked
     _print_result(result)
     return 0
+
+
+def _not_made_yet(paths: Sequence[str]) -> List[Tuple[Path, Path]]:
+    """(folder, the top one of it and its parents that do not exist yet) of each of ``paths`` that
+    does not exist ("" skipped): what ``_remove_left_empty`` may remove after a refusal."""
+    new = []
+    for path in paths:
+        if path and not Path(path).exists():
+            top = Path(path).absolute()
+            while not top.parent.exists():
+                top = top.parent
+            new.append((Path(path).absolute(), top))
+    return new
+
+
+def _remove_left_empty(made: List[Tuple[Path, Path]]) -> None:
+    """Remove the folders of ``_not_made_yet`` (deepest first) that hold nothing but a run's lock
+    file, with the parents made for them: a refused run left an empty output folder behind. A lock
+    that another process holds is left alone."""
+    from neorec.files import DIR_LOCK, LockHeld, lock_file
+
+    for folder, top in made:
+        while True:
+            if folder.is_dir() and [entry.name for entry in folder.iterdir()] == [DIR_LOCK]:
+                try:
+                    fd = lock_file(folder / DIR_LOCK)
+                except (LockHeld, OSError):
+                    break
+                (folder / DIR_LOCK).unlink(missing_ok=True)
+                os.close(fd)
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (a file of the run's), gone already, or not ours to remove
+                break
+            if folder == top:
+                break
+            folder = folder.parent
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(paths: Sequence[str]) -> Iterator[None]:
+    """``_remove_left_empty`` of the folders of ``paths`` not made yet, when the block raises."""
+    made = _not_made_yet(paths)
+    try:
+        yield
+    except BaseException:
+        _remove_left_empty(made)
+        raise
+
+
+def _run_folders(cfg) -> List[str]:
+    """The folders a run may make, deepest first: the SSD stores' (by default inside the output
+    folder), the output and the checkpoint folders."""
+    from neorec.train.build import ssd_dir_of
+    from neorec.train.trainer import run_dirs
+
+    return [ssd_dir_of(cfg), *(path for path, _ in run_dirs(cfg))]
 
 
 def _stopped_where(trainer) -> str:
@@ -108,8 +174,10 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
     from neorec.sharding import ShardingPlan
 
     cfg.data.check_inputs_exist()
-    if args.resume and not Path(args.resume).exists():
-        raise ValueError(f"--resume: {args.resume} does not exist")
+    if args.resume:
+        from neorec.train.checkpoint_manifest import check_resume_location
+
+        check_resume_location(Path(args.resume))
     if args.resume is None:  # (each rank would say it after building its pieces and stores)
         from neorec.train.checkpoint import refuse_other_runs
 
@@ -230,7 +298,9 @@ def _plan_on_rank_0(context, make_plan) -> str:
     if not context.is_main:
         text = broadcast_text(None, group, device)
         if text.startswith("error:"):
-            raise ValueError(f"rank 0 could not plan: {text[len('error:'):]}")
+            error = ValueError(f"rank 0 could not plan: {text[len('error:'):]}")
+            error.relayed = True  # (under --nproc, rank 0's own line says it)
+            raise error
         return text
     try:
         text = make_plan()

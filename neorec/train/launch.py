@@ -6,7 +6,8 @@ Each rank is ``python -m neorec <same arguments>`` with torchrun's environment (
 LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR=127.0.0.1, a free MASTER_PORT); the other
 variables torchrun sets (TORCHELASTIC_*, GROUP_WORLD_SIZE, ROLE_*), if the launcher's environment
 holds any, are not passed on. When a rank exits with an error the others are stopped at once (they
-would otherwise wait in a collective until its timeout) and its exit code is returned (128 + N for
+would otherwise wait in a collective until its timeout), the ranks' error lines are said, each
+distinct one once with the ranks that said it (``error_file``), and its exit code is returned (128 + N for
 a rank killed by signal N, e.g. 137 for SIGKILL, and the message names the signal). Ctrl-C,
 SIGTERM or SIGHUP to the launcher (what ``timeout``, a batch scheduler or ``docker stop`` send)
 stop them all (each rank runs in a session of its own, so a terminal's Ctrl-C reaches the
@@ -18,11 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from neorec.signals import check_terminated, signals_held, terminate_raises
@@ -126,12 +130,40 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
         return _start_and_watch(nproc, argv, module, port)
 
 
+ERRORS_ENV = "NEOREC_RANK_ERRORS"
+
+
+def error_file() -> Optional[Path]:
+    """In a rank that ``launch_local`` started: the file its error line goes to (the launcher says
+    each distinct line once, naming the ranks that said it); None elsewhere."""
+    folder = os.environ.get(ERRORS_ENV)
+    return Path(folder) / f"rank{os.environ.get('RANK', '0')}" if folder and LAUNCHER_ENV in os.environ else None
+
+
+def _say_rank_errors(folder: Path, nproc: int) -> None:
+    """Each distinct error line of the ranks (``error_file``) once, with the ranks that said it: N
+    ranks refusing the same input said it N times."""
+    said: dict = {}
+    for rank in range(nproc):
+        try:
+            line = (folder / f"rank{rank}").read_text().rstrip("\n")
+        except OSError:
+            continue
+        if line:
+            said.setdefault(line, []).append(rank)
+    for line, ranks in said.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        print(line.replace("{RANKS}", who), file=sys.stderr, flush=True)
+
+
 def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) -> int:
     processes: List[subprocess.Popen] = []
+    errors = Path(tempfile.mkdtemp(prefix="neorec-rank-errors-"))
     try:
         for rank in range(nproc):
             env = rank_environment(rank, nproc, port)
             env[LAUNCHER_ENV] = str(os.getpid())
+            env[ERRORS_ENV] = str(errors)
             # a session of its own: a terminal's Ctrl-C (sent to its foreground group) reaches the launcher
             # alone, which stops the ranks (they printed tracebacks or "interrupted" beside it); and with no
             # controlling terminal a rank is never stopped for writing to it (`stty tostop`: SIGTTOU, as a
@@ -144,6 +176,7 @@ def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) ->
             if failed:
                 rank, code = failed[0]
                 _stop(processes)
+                _say_rank_errors(errors, nproc)
                 print(f"neorec: rank {rank} of {nproc} {_how_it_ended(code)}; stopped the other ranks",
                       file=sys.stderr, flush=True)
                 return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
@@ -153,3 +186,4 @@ def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) ->
             time.sleep(_POLL_SECONDS)
     finally:  # (also on Ctrl-C, SIGTERM, SIGHUP: every rank is stopped)
         _stop(processes)
+        shutil.rmtree(errors, ignore_errors=True)

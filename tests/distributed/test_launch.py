@@ -59,6 +59,28 @@ def test_failing_rank_stops_the_others(monkeypatch):
     assert time.monotonic() - start < 60
 
 
+def test_an_error_the_ranks_share_is_said_once_naming_them(tmp_path, monkeypatch, capsys):
+    """Every rank refusing the same input said it: N lines for N ranks. A rank relaying rank 0's
+    error (rank 2 here) says nothing of its own."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    assert launch_local(3, [], module="same_error_rank") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec train (ranks 0, 1): error: the same for all\n"), err
+    assert err.count("the same for all") == 1 and "(rank 2)" not in err, err
+
+
+def test_a_real_refusal_in_every_rank_is_said_once_and_leaves_no_folder(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = tmp_path / "new" / "out"
+    run = neorec("train", "--config", TINY, "--nproc", "2", "--output-dir", str(out),
+                 "--set", f"checkpoint.dir='{blocker}'", "--set", "checkpoint.every_steps=1", *SMALL)
+    assert run.returncode == 2
+    assert run.stderr.count(f"error: checkpoint.dir '{blocker}' is a file, not a directory") == 1, run.stderr
+    assert not (tmp_path / "new").exists()
+
+
 KILLED_RANK = """import os, signal, time
 if os.environ["RANK"] == "1":
     os.kill(os.getpid(), signal.SIGKILL)

@@ -495,3 +495,59 @@ def test_preprocess_criteo_prints_a_command_that_works_in_a_shell(tmp_path, caps
     assert (cfg["data"]["criteo"]["train_path"], cfg["data"]["criteo"]["processed_dir"]) == (tsv, "123")
     assert (tmp_path / "123" / "train").is_dir() and not (tmp_path / f"{tsv}.neorec").exists()
     assert 'data.criteo.processed_dir="123"' in args and f"data.criteo.train_path={json.dumps(tsv)}" in args
+
+
+def test_a_resume_that_names_no_checkpoint_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    """A file or a folder without checkpoints: said after the model's build (minutes for a large one)."""
+    import neorec.train.trainer as trainer_module
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built a model for a --resume that names no checkpoint")
+
+    monkeypatch.setattr(trainer_module, "Trainer", no_build)
+    afile, empty = tmp_path / "afile", tmp_path / "empty"
+    afile.write_text("")
+    empty.mkdir()
+    for nproc in ([], ["--nproc", "2"]):
+        assert main(["train", "--config", str(TINY), *nproc, "--resume", str(afile)]) == 2
+        assert capsys.readouterr().err == (f"neorec train: error: --resume: {afile} is a file; give a checkpoint "
+                                           "folder (checkpoint.dir, or one step-N folder in it)\n")
+    assert main(["train", "--config", str(TINY), "--resume", str(empty)]) == 2
+    assert f"no complete checkpoint in {empty}: it holds no step-N folders" in capsys.readouterr().err
+
+
+def test_a_refused_run_leaves_no_empty_folders_behind(tmp_path, capsys, monkeypatch):
+    """Each refusal after the output folder was made left it (and its parents) holding a lock file."""
+    import neorec.train.build as build
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = tmp_path / "new" / "runs" / "one"
+    assert main(["train", "--config", str(TINY), "--output-dir", str(out), "--set", f"checkpoint.dir='{blocker}'",
+                 "--set", "checkpoint.every_steps=1"]) == 2
+    assert "checkpoint.dir" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"  # a folder that was there before is never removed
+    kept.mkdir()
+    assert main(["train", "--config", str(TINY), "--output-dir", str(kept), "--set", f"checkpoint.dir='{blocker}'",
+                 "--set", "checkpoint.every_steps=1"]) == 2
+    assert kept.is_dir()
+    ssd = tmp_path / "ssd_parent" / "ssd"  # the SSD stores' folder too, made before the model is refused
+    monkeypatch.setattr(build, "_machine_memory_bytes", lambda: 1000)
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--output-dir", str(out),
+                 "--set", f"embedding.location.ssd_dir='{ssd}'"]) == 2
+    assert "the model does not fit in memory" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and not (tmp_path / "ssd_parent").exists()
+
+
+def test_version_names_neorec_python_and_torch(capsys):
+    import platform
+
+    import torch
+
+    import neorec
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == (f"neorec {neorec.__version__} (Python {platform.python_version()}, "
+                                       f"torch {torch.__version__})\n")

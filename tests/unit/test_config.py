@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -384,3 +385,12 @@ def test_an_error_of_a_set_is_not_blamed_on_a_file_with_another_error(tmp_path):
     path.write_text("[model]\nembedding_dim = 0\n")
     with pytest.raises(ValueError, match=r"epochs.* \(from --set train.epochs=-1\)$"):
         load_config(path, ["model.embedding_dim=16", "train.epochs=-1"])
+
+
+def test_a_sharding_plan_given_as_the_config_is_named_as_one(tmp_path):
+    """It said "unknown config key 'world_size'"."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"world_size": 2, "tables": {}}))
+    with pytest.raises(ValueError, match=f"config file '{plan}' is a sharding plan \\(from `neorec plan --out`\\), "
+                                         f"not a config: give it as --plan {plan}$"):
+        load_config(plan)
