@@ -343,15 +343,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 def _say_error(line: str, exc: BaseException) -> None:
     """The error line on stderr; in a rank of ``--nproc N``, to the launcher instead, which says each
-    distinct line once for all the ranks that said it (``neorec.train.launch.error_file``). A rank
-    relaying another rank's error (``exc.relayed``) leaves it to that rank."""
+    distinct line once for all the ranks that said it (``neorec.train.launch.error_file``; a rank
+    relaying another rank's error, ``exc.relayed``, is said only if that rank's own line is not)."""
     from neorec.train.launch import error_file
 
-    file = error_file()
+    file = error_file(relayed=getattr(exc, "relayed", False))
     if file is None:
         print(line, file=sys.stderr)
-        return
-    if getattr(exc, "relayed", False):
         return
     rank = f" (rank {os.environ.get('RANK', '0')})"
     try:

@@ -79,16 +79,24 @@ def build_model(cfg: Config, source: DataSource, device: torch.device, sparse_ar
     return model.to(device)
 
 
-def memory_bytes(cfg: Config, tables: Sequence) -> int:
-    """Bytes of rows and optimizer state that ``tables`` (``TableConfig``s) of a one-process run
-    hold in memory: all but those on SSD (``cached_ssd``: a memory-mapped store and a cache)."""
+def tables_host_bytes(cfg: Config, tables: Sequence) -> int:
+    """Bytes of rows and optimizer state that ``tables`` (``TableConfig``s) of a one-process CPU run
+    hold in host memory: a device table's rows (``embedding.storage.precision``) and state, a DRAM
+    store's records (``embedding.location.precision``: ``store_record_bytes``); tables on SSD (a
+    memory-mapped store) and the caches (a share of a table) are left out: a lower bound."""
+    from neorec.planner.cost_model import store_record_bytes
+
+    location = cfg.embedding.location
     row_bytes = storage_dtype(cfg.embedding.storage.precision).itemsize
     state = STATE_LAYOUT[cfg.embedding.optimizer.kind]
     total = 0
     for table in tables:
-        if cfg.embedding.location.kind_of(table) != "cached_ssd":
-            rows, dim = table.num_embeddings, table.embedding_dim
+        kind, rows, dim = location.kind_of(table), table.num_embeddings, table.embedding_dim
+        if kind == "device":
             total += rows * dim * row_bytes + sum(4 * (rows if layout == "row" else rows * dim) for _, layout in state)
+        elif kind != "cached_ssd":
+            total += rows * store_record_bytes(location.precision, dim, cfg.embedding.optimizer.kind,
+                                               location.policy == "lfu")
     return total
 
 
@@ -104,31 +112,41 @@ def _machine_memory_bytes() -> Optional[int]:
             return None
 
 
-def _out_of_memory_message(needed: Optional[int], why: str, sharded: bool) -> str:
+_FEWER_BITS = ("store rows in fewer bits (embedding.storage.precision = \"fp16\" for tables on the device, "
+               "embedding.location.precision for the stores of cached tables)")
+
+
+def _host_memory_message(needed: Optional[int], why: str, sharded: bool) -> str:
     from neorec.planner.enumerate import format_bytes
 
     machine = _machine_memory_bytes()
     held = f"the embedding tables {'of this rank ' if sharded else ''}held in memory"
-    amount = f" need {format_bytes(needed)} (rows and optimizer state)" if needed else ""
+    amount = f" need at least {format_bytes(needed)} (rows and optimizer state)" if needed else ""
     has = f", and this machine has {format_bytes(machine)} of memory and swap" if machine else ""
     return (f"{why}: {held}{amount}{has}. Keep the largest tables on SSD behind a cache "
             f"(embedding.location.default = \"cached_ssd\" with embedding.location.min_rows, or per table in "
-            f"embedding.location.tables; see the README's \"Embedding cache\"), store rows in fewer bits "
-            f"(embedding.storage.precision = \"fp16\"), or shard the tables over more processes or machines "
-            f"(--nproc, torchrun)")
+            f"embedding.location.tables; see the README's \"Embedding cache\"), {_FEWER_BITS}, or shard the "
+            f"tables over more processes or machines (--nproc, torchrun)")
+
+
+def _device_memory_message(why: str) -> str:
+    return (f"{why}: keep the largest tables in host memory or on SSD behind a cache (embedding.location: "
+            f"\"cached_dram\" or \"cached_ssd\", see the README's \"Embedding cache\"), {_FEWER_BITS}, or shard "
+            f"the tables over more GPUs (--nproc, torchrun)")
 
 
 @contextlib.contextmanager
 def memory_named(cfg: Config, tables: Sequence, device: torch.device, sharded: bool) -> Iterator[None]:
-    """Around building a model: a one-process model whose tables in memory exceed this machine's
-    memory and swap is refused before anything is allocated (where the system overcommits, the
-    allocation would succeed and the kernel kill the process as the rows are drawn); an allocation
-    that fails while building is said as what it is, with what to do (ValueError), instead of as
-    the allocator's error."""
-    needed = None if sharded else memory_bytes(cfg, tables)
+    """Around building a model: a one-process CPU model whose tables in host memory
+    (``tables_host_bytes``) exceed this machine's memory and swap is refused before anything is
+    allocated (where the system overcommits, the allocation would succeed and the kernel kill the
+    process as the rows are drawn); an allocation that fails while building, host or GPU, is said
+    as what it is, with what to do (ValueError: the config asks for more memory than there is),
+    instead of as the allocator's error."""
+    needed = tables_host_bytes(cfg, tables) if device.type == "cpu" and not sharded else None
     machine = _machine_memory_bytes()
-    if needed and device.type == "cpu" and machine and needed > machine:
-        raise ValueError(_out_of_memory_message(needed, "the model does not fit in memory", sharded))
+    if needed and machine and needed > machine:
+        raise ValueError(_host_memory_message(needed, "the model does not fit in memory", sharded))
     try:
         yield
     except (RuntimeError, MemoryError) as exc:  # (torch's OutOfMemoryError is a RuntimeError)
@@ -136,8 +154,10 @@ def memory_named(cfg: Config, tables: Sequence, device: torch.device, sharded: b
         if not (isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text):
             raise
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-        raise ValueError(_out_of_memory_message(
-            needed, f"building the model ran out of memory on {device} ({first[:300]})", sharded)) from None
+        why = f"building the model ran out of memory on {device} ({first[:300]})"
+        if device.type == "cuda" and "CUDA" in first:  # (the GPU's memory, not the host's)
+            raise ValueError(_device_memory_message(why)) from None
+        raise ValueError(_host_memory_message(needed, why, sharded)) from None
 
 
 def plan_locations(cfg: Config, tables, plan) -> Optional[Dict[str, TableLocation]]:

@@ -263,12 +263,12 @@ def _changed_data_settings(saved: dict, current: dict) -> List[str]:
 def _changed_model_settings(saved: dict, model) -> List[str]:
     """``model.key checkpoint -> config`` for each setting of the model that differs from the
     checkpoint's (``saved``: its config's [model]; keys it lacks are not compared), leaving out the
-    settings of an interaction the checkpoint did not use (``dcn_*`` for "dot", ``self_interaction``
-    for "dcn")."""
-    dot = saved.get("interaction", model.interaction) == "dot"
-    unused = ("dcn_num_layers", "dcn_low_rank") if dot else ("self_interaction",)
+    settings of DCN when the checkpoint used "dot" (``dcn_*``). Compared as JSON has them (a list
+    of layer sizes given as a tuple is the same list)."""
+    unused = ("dcn_num_layers", "dcn_low_rank") if saved.get("interaction", model.interaction) == "dot" else ()
     out = []
     for key, value in vars(model).items():
+        value = json.loads(json.dumps(value))
         if key in saved and key not in unused and saved[key] != value:
             out.append(f"model.{key} {saved[key]!r} -> {value!r}")
     return out

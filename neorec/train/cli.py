@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence
 
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -84,41 +84,38 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _not_made_yet(paths: Sequence[str]) -> List[Tuple[Path, Path]]:
-    """(folder, the top one of it and its parents that do not exist yet) of each of ``paths`` that
-    does not exist ("" skipped): what ``_remove_left_empty`` may remove after a refusal."""
-    new = []
+def _not_made_yet(paths: Sequence[str]) -> List[Path]:
+    """The folders that do not exist yet among each of ``paths`` ("" skipped) and its parents,
+    deepest first: what ``_remove_left_empty`` may remove after a refusal. Each is resolved (links,
+    ``..``) as the system will: of ``new/../kept/out`` they are ``kept/out`` and ``new``, never the
+    user's ``kept``."""
+    new: List[Path] = []
     for path in paths:
-        if path and not Path(path).exists():
-            top = Path(path).absolute()
-            while not top.parent.exists():
-                top = top.parent
-            new.append((Path(path).absolute(), top))
+        for part in [Path(path), *Path(path).parents] if path else []:
+            folder = Path(os.path.realpath(part))
+            if not folder.exists() and folder not in new:
+                new.append(folder)
     return new
 
 
-def _remove_left_empty(made: List[Tuple[Path, Path]]) -> None:
+def _remove_left_empty(made: List[Path]) -> None:
     """Remove the folders of ``_not_made_yet`` (deepest first) that hold nothing but a run's lock
-    file, with the parents made for them: a refused run left an empty output folder behind. A lock
-    that another process holds is left alone."""
+    file: a refused run left an empty output folder behind. A lock that another process holds is
+    left alone, and so is a folder that holds anything else."""
     from neorec.files import DIR_LOCK, LockHeld, lock_file
 
-    for folder, top in made:
-        while True:
-            if folder.is_dir() and [entry.name for entry in folder.iterdir()] == [DIR_LOCK]:
-                try:
-                    fd = lock_file(folder / DIR_LOCK)
-                except (LockHeld, OSError):
-                    break
-                (folder / DIR_LOCK).unlink(missing_ok=True)
-                os.close(fd)
+    for folder in made:
+        if folder.is_dir() and [entry.name for entry in folder.iterdir()] == [DIR_LOCK]:
             try:
-                folder.rmdir()
-            except OSError:  # not empty (a file of the run's), gone already, or not ours to remove
-                break
-            if folder == top:
-                break
-            folder = folder.parent
+                fd = lock_file(folder / DIR_LOCK)
+            except (LockHeld, OSError):
+                continue
+            (folder / DIR_LOCK).unlink(missing_ok=True)
+            os.close(fd)
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (a file of the run's), or never made
+            pass
 
 
 @contextlib.contextmanager

@@ -133,24 +133,31 @@ def launch_local(nproc: int, argv: Sequence[str], module: str = "neorec") -> int
 ERRORS_ENV = "NEOREC_RANK_ERRORS"
 
 
-def error_file() -> Optional[Path]:
+def error_file(relayed: bool = False) -> Optional[Path]:
     """In a rank that ``launch_local`` started: the file its error line goes to (the launcher says
-    each distinct line once, naming the ranks that said it); None elsewhere."""
+    each distinct line once, naming the ranks that said it; ``relayed``: a line that relays another
+    rank's error, said only when no rank's own line is); None elsewhere."""
     folder = os.environ.get(ERRORS_ENV)
-    return Path(folder) / f"rank{os.environ.get('RANK', '0')}" if folder and LAUNCHER_ENV in os.environ else None
+    if not folder or LAUNCHER_ENV not in os.environ:
+        return None
+    return Path(folder) / f"rank{os.environ.get('RANK', '0')}{'.relayed' if relayed else ''}"
 
 
 def _say_rank_errors(folder: Path, nproc: int) -> None:
     """Each distinct error line of the ranks (``error_file``) once, with the ranks that said it: N
-    ranks refusing the same input said it N times."""
+    ranks refusing the same input said it N times. Lines relaying another rank's error only when
+    that rank's own line is missing (stopped before it said it)."""
     said: dict = {}
-    for rank in range(nproc):
-        try:
-            line = (folder / f"rank{rank}").read_text().rstrip("\n")
-        except OSError:
-            continue
-        if line:
-            said.setdefault(line, []).append(rank)
+    for suffix in ("", ".relayed"):
+        for rank in range(nproc):
+            try:
+                line = (folder / f"rank{rank}{suffix}").read_text().rstrip("\n")
+            except OSError:
+                continue
+            if line:
+                said.setdefault(line, []).append(rank)
+        if said:
+            break
     for line, ranks in said.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         print(line.replace("{RANKS}", who), file=sys.stderr, flush=True)

@@ -70,6 +70,16 @@ def test_an_error_the_ranks_share_is_said_once_naming_them(tmp_path, monkeypatch
     assert err.count("the same for all") == 1 and "(rank 2)" not in err, err
 
 
+def test_a_relayed_error_is_said_when_the_rank_it_relays_was_stopped_before_saying_it(monkeypatch, capsys):
+    """The relaying rank said nothing: when it exited first, the launcher stopped rank 0 before its
+    line, and the user saw only "rank 1 of 2 exited with code 2"."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    assert launch_local(2, [], module="relay_rank") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec train (rank 1): error: rank 0 could not plan: the table does not fit\n"), err
+
+
 def test_a_real_refusal_in_every_rank_is_said_once_and_leaves_no_folder(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

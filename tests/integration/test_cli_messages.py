@@ -531,6 +531,10 @@ def test_a_refused_run_leaves_no_empty_folders_behind(tmp_path, capsys, monkeypa
     assert main(["train", "--config", str(TINY), "--output-dir", str(kept), "--set", f"checkpoint.dir='{blocker}'",
                  "--set", "checkpoint.every_steps=1"]) == 2
     assert kept.is_dir()
+    through = f"{tmp_path}/made/../kept/out"  # resolved as the system does: kept/out and made, never kept
+    assert main(["train", "--config", str(TINY), "--output-dir", through, "--set", f"checkpoint.dir='{blocker}'",
+                 "--set", "checkpoint.every_steps=1"]) == 2
+    assert kept.is_dir() and not (kept / "out").exists() and not (tmp_path / "made").exists()
     ssd = tmp_path / "ssd_parent" / "ssd"  # the SSD stores' folder too, made before the model is refused
     monkeypatch.setattr(build, "_machine_memory_bytes", lambda: 1000)
     assert main(["train", "--config", str(ROOT / "configs" / "tiny_cached_ssd.toml"), "--output-dir", str(out),
