@@ -6,7 +6,10 @@
 
 Iterating yields the same batches in the same order as iterating ``batches`` directly. An exception
 raised while producing a batch is re-raised in the consumer (same exception object, original
-traceback kept); iterations side by side are independent. Leaving the loop early, ``close()`` or
+traceback kept); iterations side by side each have their own thread and queue, and are independent
+when ``batches`` is re-iterable (a list, a source's epoch object); a generator can be iterated
+once, so two iterations of one share it (and raise "generator already executing" if they run at
+once). Leaving the loop early, ``close()`` or
 leaving the ``with`` block stops the thread; nothing hangs. ``depth=0`` iterates in the caller's
 thread (no background thread).
 """

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
+from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +49,7 @@ from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableC
 from neorec.embedding.layout import validate_tables
 from neorec.embedding.locations import TableLocation
 from neorec.embedding.optimizers import STATE_LAYOUT, state_views
+from neorec.embedding.path_common import check_lookup_input
 from neorec.embedding.ssd_store import SsdRowStore
 from neorec.embedding.storage import DramRowStore, RowStore
 from neorec.embedding.init_stream import TableInit
@@ -236,6 +238,10 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
                 raise ValueError(f"table {table.name!r}: the store at {location.path!r} holds (rows, dim, precision, "
                                  f"state, LFU counts) = {found}, the table needs {expected}")
             return store
+        if not location.overwrite and Path(location.path).exists():  # (said as the store's API: open / overwrite=)
+            raise ValueError(f"table {table.name!r}: a row store already exists at {location.path!r}; "
+                             f"TableLocation(..., open_existing=True) reopens it (its rows and optimizer state), "
+                             f"overwrite=True replaces it")
         return SsdRowStore.create(location.path, table.num_embeddings, table.embedding_dim, location.precision,
                                   state, counts, location.stochastic_rounding, _store_seed(location.seed, table.name), fill=fill,
                                   overwrite=location.overwrite, resident_budget_bytes=budget)
@@ -378,6 +384,9 @@ class CachedEmbeddingBagCollection(CachedRows, nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature of ``feature_names`` (keys may be a superset); values [B, total_dim].
         Without autograd (evaluation) the caches are only read (``_read_only_forward``)."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+        check_lookup_input(features)
         training = torch.is_grad_enabled()
         if not training and self.caches:
             return self._read_only_forward(features)

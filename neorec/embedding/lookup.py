@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from neorec.embedding.layout import DimGroup, TableLayout
-from neorec.embedding.path_common import check_weights_need_no_grad
+from neorec.embedding.path_common import check_lookup_input
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 BATCH_MAJOR_MAX_POOLING = 2.0
@@ -130,11 +130,8 @@ def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: to
     features = select_features(layout, features)
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
-    check_weights_need_no_grad(features)
+    check_lookup_input(features)
     value_starts = features.offset_per_key()
-    if value_starts[-1] != features.values.numel():  # (a KeyedJaggedTensor built with validate=False)
-        raise ValueError(f"KeyedJaggedTensor: its lengths sum to {value_starts[-1]} but it holds "
-                         f"{features.values.numel()} values")
     return [_prepare_group(layout, g, i, features, value_starts) for i, g in enumerate(layout.groups)]
 
 

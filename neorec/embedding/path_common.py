@@ -19,7 +19,7 @@ from neorec.sparse.jagged import KeyedJaggedTensor
 
 def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], device: torch.device) -> KeyedJaggedTensor:
     """``features`` with exactly ``feature_names`` as keys, in that order (keys may be a superset
-    or a permutation), checked to be on ``device`` and to have no weights that require grad."""
+    or a permutation), checked to be on ``device`` and by ``check_lookup_input``."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
     keys = features.keys()
@@ -30,13 +30,24 @@ def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], dev
         features = features.permute([keys.index(k) for k in feature_names])
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
-    check_weights_need_no_grad(features)
+    check_lookup_input(features)
     return features
 
 
-def check_weights_need_no_grad(features: KeyedJaggedTensor) -> None:
-    """Refuse per-value weights that require grad while grad is enabled: no lookup path (fused,
-    sharded) differentiates with respect to them, and their gradient would silently stay None."""
+def check_lookup_input(features: KeyedJaggedTensor) -> None:
+    """What every lookup path checks of a KeyedJaggedTensor, also one built with validate=False: no
+    negative length and lengths that add up to its values (torch's repeat_interleave, which the torch
+    ops paths and the sharded input use, writes past its output for a negative repeat before it
+    checks it: the heap was corrupted and the process aborted), and no per-value weights that
+    require grad while grad is enabled (no path differentiates with respect to them: their
+    gradient would silently stay None)."""
+    lengths = features.lengths
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise ValueError("KeyedJaggedTensor: a negative length (build it with validate=True to find the feature)")
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != features.values.numel():
+        raise ValueError(f"KeyedJaggedTensor: its lengths sum to {total} but it holds {features.values.numel()} values "
+                         "(build it with validate=True to find the feature)")
     if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
         raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
                          "differentiate with respect to per-value weights; pass weights.detach()")

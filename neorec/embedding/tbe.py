@@ -518,7 +518,8 @@ def _check_layout(module: TableBatchedEmbeddingBags, state_dict, prefix, local_m
     """Before a state dict's flat buffers are copied in: they must hold the same tables in the same
     order (same total size is not enough: rows would land in other tables without a word). A state
     dict saved before the layout was recorded is taken as it is. Float buffers are given in this
-    module's types (``assign=True`` put an fp32 state dict's tensors in an fp16 module as they were)."""
+    module's types (``assign=True`` put an fp32 state dict's tensors in an fp16 module as they were),
+    and the rounding generator's state is taken or left as this module's precision needs it."""
     key = prefix + "table_layout"
     if key not in state_dict:
         state_dict[key] = module.table_layout
@@ -536,6 +537,16 @@ def _check_layout(module: TableBatchedEmbeddingBags, state_dict, prefix, local_m
         if (buffer is not None and isinstance(given, torch.Tensor) and given.is_floating_point()
                 and buffer.is_floating_point() and given.dtype != buffer.dtype):
             state_dict[prefix + name] = given.to(buffer.dtype)
+    # a state dict of another precision: fp32 rows round nothing (no generator state saved: this module
+    # goes on from its own), and rounded rows' generator state has no use in an fp32 module (dropped);
+    # either was a missing or unexpected key under strict loading
+    for name, rounder in (("rounding_rng_state", module._rounder), ("replica_rounding_rng_state", module._replica_rounder)):
+        key = prefix + name
+        if module._buffers.get(name) is not None:
+            if key not in state_dict:
+                state_dict[key] = rounder.get_state().to(module._buffers[name].device)
+        else:
+            state_dict.pop(key, None)
 
 
 def _save_rounding_state(module: TableBatchedEmbeddingBags, prefix: str, keep_vars: bool) -> None:

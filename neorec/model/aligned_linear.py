@@ -11,7 +11,8 @@ W and x with zero columns (a copy of a few MB, ~0.1 ms), multiplies, and returns
 columns: the same products (the zero columns add nothing to any sum that is kept), at the
 faster shape. Parameters, ``state_dict`` and the forward (whose K is the reduction, where the
 width does not matter) are those of ``nn.Linear``; other devices, dtypes, shapes and aligned
-widths run ``nn.Linear``'s own path.
+widths, and CPU autocast, run ``nn.Linear``'s own path. Its backward is differentiable again
+(torch ops), so double backward (a gradient penalty) works.
 """
 
 from __future__ import annotations
@@ -53,13 +54,23 @@ class _AlignedLinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def _cpu_autocast() -> bool:
+    """Whether CPU autocast is on (its matmuls run in a lower precision: ``nn.Linear``'s own path,
+    which autocast knows, takes them; the aligned backward multiplied a bf16 gradient with fp32
+    weights and failed)."""
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
 class AlignedLinear(nn.Linear):
     """``nn.Linear`` with the backward products on an input width aligned to 8 (module docstring)."""
 
     def _aligned_path(self, x: torch.Tensor) -> bool:
         return (self.in_features % ALIGN != 0 and x.dim() == 2 and x.device.type == "cpu"
                 and x.dtype == torch.float32 and self.weight.dtype == torch.float32 and torch.is_grad_enabled()
-                and (x.requires_grad or self.weight.requires_grad))
+                and (x.requires_grad or self.weight.requires_grad) and not _cpu_autocast())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._aligned_path(x):

@@ -55,7 +55,10 @@ def _linear(in_dim: int, out_dim: int, bias: bool = True) -> nn.Linear:
 
 
 def _check_layer_sizes(where: str, layer_sizes: Sequence[int], allow_empty: bool) -> List[int]:
-    sizes = [int(s) for s in layer_sizes]
+    sizes = list(layer_sizes)
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in sizes):  # (8.7 built a width of 8)
+        raise TypeError(f"{where}: layer widths must be integers, got {sizes}")
+    sizes = [int(s) for s in sizes]
     if not sizes and not allow_empty:
         raise ValueError(f"{where}: layer_sizes is empty; give at least one positive layer width")
     bad = [s for s in sizes if s <= 0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from neorec.native import MAX_NATIVE_DIM, load
 from neorec.native.blocks import int64_table
@@ -73,6 +74,7 @@ class _DotInteraction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (C code outside autograd: a double backward is refused, not silently zero)
     def backward(ctx, grad_out):  # type: ignore[override]
         library = load()
         dense, sparse = ctx.saved_tensors
@@ -142,6 +144,7 @@ class _DotInteractionBlocks(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (C code outside autograd: a double backward is refused, not silently zero)
     def backward(ctx, grad_out):  # type: ignore[override]
         library = load()
         dense, flat, *extras = ctx.saved_tensors

@@ -149,6 +149,11 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
     no time at all); with ``time_limit=inf`` the result depends on the inputs only."""
     if not tables:
         raise ValueError("planner: no tables to plan")
+    other = next((t for t in tables if not isinstance(t, TableSpec)), None)
+    if other is not None:  # (an embedding TableConfig failed deep in the enumeration)
+        raise TypeError(f"planner: tables must be TableSpec(name, num_rows, dim, pooling=ids per sample), got a "
+                        f"{type(other).__name__}; for an embedding TableConfig t: TableSpec(t.name, t.num_embeddings, "
+                        f"t.embedding_dim, pooling) with pooling the ids per sample of its features")
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"planner: duplicate table names {sorted({n for n in names if names.count(n) > 1})}")

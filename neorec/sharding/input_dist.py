@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.embedding.config import TableConfig
-from neorec.embedding.path_common import check_weights_need_no_grad
+from neorec.embedding.path_common import check_lookup_input
 from neorec.sharding.comm import Awaitable, CommStats, all_to_all
 from neorec.sharding.routing import FeatureRoute, Routing
 from neorec.sparse.jagged import JaggedTensor, KeyedJaggedTensor
@@ -105,8 +105,8 @@ def input_dist(routing: Routing, rank: int, features: KeyedJaggedTensor, group: 
     replica features); ``wait()`` gives this rank's ``LocalBatch``."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
+    check_lookup_input(features)  # first (all-to-all detaches weights: their gradient stayed None)
     world, batch_size, device = routing.world_size, features.batch_size, features.values.device
-    check_weights_need_no_grad(features)  # (all-to-all detaches them: their gradient stayed None)
     missing = [f for f in routing.feature_names if f not in set(features.keys())]
     if missing:
         raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {routing.feature_names} "

@@ -345,6 +345,9 @@ class KeyedJaggedTensor:
     # ----------------------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming what is inconsistent."""
+        not_names = [k for k in self._keys if not isinstance(k, str)]
+        if not_names:  # (the tables name their features: 1 is never the feature "1")
+            raise TypeError(f"KeyedJaggedTensor: keys must be feature names (str), got {not_names}")
         if len(set(self._keys)) != len(self._keys):
             dup = sorted({k for k in self._keys if self._keys.count(k) > 1})
             raise ValueError(f"KeyedJaggedTensor: duplicate keys {dup}")

@@ -373,7 +373,10 @@ def test_errors(tmp_path):
         cached(bad)
     with pytest.raises(ValueError, match="lacks feature"):
         cached(kjt.select_keys(["f_a1", "f_a2"]))
-    with pytest.raises(ValueError, match="already exists"):
+    # said with the TableLocation settings that reopen or replace it (it named SsdRowStore.open and
+    # overwrite=, which a user of the collection never called)
+    with pytest.raises(ValueError, match=r"a row store already exists at .*; TableLocation\(..., open_existing=True\) "
+                                         r"reopens it \(its rows and optimizer state\), overwrite=True replaces it"):
         CachedEmbeddingBagCollection(TABLES, optimizer, locations=locations(tmp_path, 40, "lru"))
     cached.close()
 

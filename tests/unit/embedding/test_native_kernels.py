@@ -421,10 +421,10 @@ def test_an_unvalidated_batch_whose_lengths_pass_its_values_is_refused_before_th
     weights = torch.ones(2) if weighted else None
     kjt = KeyedJaggedTensor(["t"], torch.tensor([1, 2]), torch.tensor([2, 3]), weights=weights, batch_size=2,
                             validate=False)
-    with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
+    with pytest.raises(ValueError, match="its lengths sum to 5 but it holds 2 values"):
         with torch.no_grad():
             module(kjt)
-    with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
+    with pytest.raises(ValueError, match="its lengths sum to 5 but it holds 2 values"):
         module(kjt).values.sum().backward()
     negative = KeyedJaggedTensor(["t"], torch.tensor([1, 2]), torch.tensor([5, -3]), weights=weights, batch_size=2,
                                  validate=False)  # adds up, but bag 0 would read ids[0:5]
@@ -465,3 +465,30 @@ def test_a_runs_header_says_which_kernel_serves_the_tables_and_why_auto_fell_bac
     assert kernel_summary(TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("adam"))) == \
         "torch (optimizer 'adam' has no native kernel (have ('sgd', 'rowwise_adagrad', 'adagrad')))"
     assert kernel_summary(TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="torch")) == "torch"
+
+
+@pytest.mark.parametrize("path", ["torch", "cached", "sharded"])
+def test_a_negative_length_is_refused_on_every_path_before_torch_ops_read_it(path, tmp_path):
+    """validate=False, lengths that add up but one negative: torch's repeat_interleave (the torch ops
+    path, the cache's slot mapping, the sharded input) wrote past its output before refusing the
+    negative repeat, and glibc aborted the process ("free(): invalid next size")."""
+    from neorec.embedding.cached import CachedEmbeddingBagCollection
+    from neorec.embedding.locations import TableLocation
+
+    tables = [TableConfig("t", 10, 4, feature_names=["a", "b"])]
+    if path == "torch":
+        module = TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="torch")
+    elif path == "cached":
+        module = CachedEmbeddingBagCollection(tables, SparseOptimizerConfig("sgd"), init_seed=0,
+                                              locations={"t": TableLocation("cached_dram", cache_rows=8)})
+    else:  # the sharded input checks it before anything else (no routing or group needed to see it)
+        from neorec.sharding.input_dist import input_dist
+
+        def module(features):
+            return input_dist(None, 0, features, None)
+    negative = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([3, -1, 1, 0]), batch_size=2,
+                                 validate=False)  # they add up to the 3 values
+    with pytest.raises(ValueError, match="KeyedJaggedTensor: a negative length"):
+        module(negative)
+    if path == "cached":
+        module.close()

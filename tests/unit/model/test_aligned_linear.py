@@ -65,3 +65,21 @@ def test_optimizer_step_through_padded_gradients():
             optimizer.step()
     torch.testing.assert_close(layer.weight, plain.weight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer.bias, plain.bias, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_autocast_takes_nn_linears_own_path():
+    """Under CPU autocast the aligned backward multiplied a bf16 gradient with fp32 weights and failed
+    (a DLRM's backward under autocast raised "expected m1 and m2 to have the same dtype")."""
+    torch.manual_seed(0)
+    layer, reference = AlignedLinear(13, 5), nn.Linear(13, 5)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 13, requires_grad=True)
+    grads = []
+    for module in (layer, reference):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        assert out.dtype == torch.bfloat16
+        out.float().sum().backward()
+        grads.append(module.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])

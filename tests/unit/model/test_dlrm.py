@@ -249,3 +249,12 @@ def test_dense_parts_converted_to_another_dtype_take_the_pooled_rows_in_it(spars
         logits.float().sum().backward()
         for key, bag in model.sparse_arch.bags.items():  # the gradient reaches the fp32 embeddings
             assert bag.weight.grad is not None and bag.weight.grad.abs().sum() > 0, key
+
+
+def test_layer_widths_must_be_integers():
+    """DenseArch(3, [8.7]) built a layer of width 8 without a word."""
+    with pytest.raises(TypeError, match=r"layer widths must be integers, got \[8.7\]"):
+        DenseArch(3, [8.7])
+    with pytest.raises(TypeError, match=r"layer widths must be integers, got \[True\]"):
+        OverArch(4, [True])
+    assert DenseArch(3, [torch.tensor(8).item()]).output_dim == 8

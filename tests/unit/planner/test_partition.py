@@ -396,3 +396,13 @@ def test_data_parallel_is_offered_on_the_device_tier_only():
     only_replicas = TableSpec("t", 1000, 8, 2.0, sharding_types=("data_parallel",))
     with pytest.raises(InfeasiblePlanError, match="data_parallel is offered on the device tier only"):
         enumerate_options(only_replicas, topo, PlanSettings(batch_size=16, tiers=("dram",)))
+
+
+def test_tables_that_are_not_table_specs_are_named_with_how_to_make_them():
+    """The README's own TableConfig list failed deep in the enumeration ("'TableConfig' object has
+    no attribute 'sharding_types'")."""
+    from neorec.embedding import TableConfig
+
+    with pytest.raises(TypeError, match=r"tables must be TableSpec\(name, num_rows, dim, pooling=ids per sample\), got "
+                                        r"a TableConfig; for an embedding TableConfig t: TableSpec\(t.name"):
+        plan_tables([TableConfig("t", 100, 8)], zionex(1), PlanSettings(batch_size=64))

@@ -196,3 +196,8 @@ def test_membership_iteration_and_input_types():
         KeyedJaggedTensor(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]), batch_size=2.5)
     with pytest.raises(ValueError, match=r"must be on one device, got \['cpu', 'meta'\]"):
         KeyedJaggedTensor(["a"], torch.tensor([1], device="meta"), torch.tensor([1]))
+
+
+def test_keys_must_be_feature_names():
+    with pytest.raises(TypeError, match=r"keys must be feature names \(str\), got \[1, 2\]"):
+        KeyedJaggedTensor([1, 2], torch.tensor([1, 2]), torch.tensor([1, 1]))
