@@ -132,6 +132,9 @@ def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: to
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")
     check_lookup_input(features)
     value_starts = features.offset_per_key()
+    if value_starts[-1] != features.values.numel():  # (on a GPU too: the offsets are at hand)
+        raise ValueError(f"KeyedJaggedTensor: its lengths sum to {value_starts[-1]} but it holds "
+                         f"{features.values.numel()} values")
     return [_prepare_group(layout, g, i, features, value_starts) for i, g in enumerate(layout.groups)]
 
 

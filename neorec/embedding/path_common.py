@@ -40,14 +40,16 @@ def check_lookup_input(features: KeyedJaggedTensor) -> None:
     ops paths and the sharded input use, writes past its output for a negative repeat before it
     checks it: the heap was corrupted and the process aborted), and no per-value weights that
     require grad while grad is enabled (no path differentiates with respect to them: their
-    gradient would silently stay None)."""
+    gradient would silently stay None). The lengths are checked on the CPU only (on a GPU the check
+    would wait for the device at every lookup, and its kernels refuse a negative repeat themselves)."""
     lengths = features.lengths
-    if lengths.numel() and bool((lengths < 0).any()):
-        raise ValueError("KeyedJaggedTensor: a negative length (build it with validate=True to find the feature)")
-    total = int(lengths.sum()) if lengths.numel() else 0
-    if total != features.values.numel():
-        raise ValueError(f"KeyedJaggedTensor: its lengths sum to {total} but it holds {features.values.numel()} values "
-                         "(build it with validate=True to find the feature)")
+    if lengths.device.type == "cpu":
+        if lengths.numel() and bool((lengths < 0).any()):
+            raise ValueError("KeyedJaggedTensor: a negative length (build it with validate=True to find the feature)")
+        total = int(lengths.sum()) if lengths.numel() else 0
+        if total != features.values.numel():
+            raise ValueError(f"KeyedJaggedTensor: its lengths sum to {total} but it holds {features.values.numel()} "
+                             "values (build it with validate=True to find the feature)")
     if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
         raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
                          "differentiate with respect to per-value weights; pass weights.detach()")
