@@ -1,14 +1,13 @@
 """`neorec data write-criteo` / `preprocess-criteo` (and `neorec train` on Criteo data): what they
 say about inputs and output folders that cannot be used, before any work is done."""
 
-import builtins
-import errno
 import os
 from pathlib import Path
 
 import pytest
 
 from neorec.cli import main
+from tests.read_only import refuse_writes_in
 
 ROOT = Path(__file__).resolve().parents[2]
 CRITEO = ROOT / "configs" / "criteo.toml"
@@ -48,35 +47,13 @@ def test_preprocess_criteo_into_a_folder_that_cannot_be_made_names_it_and_the_ar
            "TSV.neorec beside the TSV; the second argument, PROCESSED_DIR, puts it elsewhere)" in err, err
 
 
-def _refuse_writes_in(monkeypatch, folder: Path) -> None:
-    """Files cannot be created in ``folder`` (a read-only folder, as root sees none)."""
-    real_open, real_os_open = builtins.open, os.open
-    folder = str(folder.absolute())
-
-    def inside(path) -> bool:
-        return isinstance(path, (str, os.PathLike)) and os.path.dirname(os.path.abspath(path)) == folder
-
-    def guarded_open(file, mode="r", *args, **kwargs):
-        if inside(file) and any(c in mode for c in "wax+"):
-            raise PermissionError(errno.EACCES, "Permission denied", str(file))
-        return real_open(file, mode, *args, **kwargs)
-
-    def guarded_os_open(path, flags, *args, **kwargs):
-        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_os_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", guarded_open)
-    monkeypatch.setattr(os, "open", guarded_os_open)
-
-
 def test_preprocess_criteo_over_a_read_only_copy_names_the_folder_not_a_temporary(tsv, tmp_path, capsys, monkeypatch):
     """It said "[Errno 13] Permission denied: '.../train/.dense.f32.tmp-4807'"."""
     processed = tmp_path / "p"
     assert main(["data", "preprocess-criteo", str(tsv), str(processed)]) == 0
     before = {p.name: p.stat().st_mtime_ns for p in (processed / "train").iterdir()}
     capsys.readouterr()
-    _refuse_writes_in(monkeypatch, processed / "train")
+    refuse_writes_in(monkeypatch, processed / "train")
     assert main(["data", "preprocess-criteo", str(tsv), str(processed)]) == 2
     out, err = capsys.readouterr()
     monkeypatch.undo()
@@ -92,7 +69,7 @@ def test_preprocess_criteo_into_a_read_only_folder(tsv, tmp_path, capsys, monkey
     locked.mkdir()
     capsys.readouterr()
     if os.geteuid() == 0:  # root writes in read-only folders
-        _refuse_writes_in(monkeypatch, locked)
+        refuse_writes_in(monkeypatch, locked)
     else:
         locked.chmod(0o555)
     try:

@@ -1,15 +1,12 @@
 """Input files and folders of the data sources that are missing, of the wrong kind, or hold no
 rows: said by the setting, and no processed copy left behind."""
 
-import builtins
-import errno
-import os
-
 import pytest
 
 from neorec.data import DataConfig
 from neorec.data.config import CriteoConfig, MovieLensConfig
 from neorec.data.criteo import CriteoSource, check_processed_dir, preprocess_criteo, write_criteo_tsv
+from tests.read_only import refuse_writes_in
 
 ROWS = 1000
 
@@ -55,28 +52,6 @@ def test_a_movielens_path_that_is_a_file_is_said_to_be_one(tmp_path):
         DataConfig(source="movielens", movielens=MovieLensConfig(path=str(tmp_path / "no"))).check_inputs_exist()
 
 
-def _refuse_writes_in(monkeypatch, folder) -> None:
-    """Files cannot be created in ``folder`` (a read-only folder, as root sees none)."""
-    real_open, real_os_open = builtins.open, os.open
-    folder = os.path.abspath(folder)
-
-    def inside(path) -> bool:
-        return isinstance(path, (str, os.PathLike)) and os.path.dirname(os.path.abspath(path)) == folder
-
-    def guarded_open(file, mode="r", *args, **kwargs):
-        if inside(file) and any(c in mode for c in "wax+"):
-            raise PermissionError(errno.EACCES, "Permission denied", str(file))
-        return real_open(file, mode, *args, **kwargs)
-
-    def guarded_os_open(path, flags, *args, **kwargs):
-        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_os_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", guarded_open)
-    monkeypatch.setattr(os, "open", guarded_os_open)
-
-
 def test_a_read_only_copy_is_used_while_fresh_and_named_when_it_must_be_rebuilt(tmp_path, monkeypatch):
     """Rebuilding a stale copy in a folder that cannot be written said "[Errno 13] Permission
     denied: '.../train/.dense.f32.tmp-4807'", one of its temporaries."""
@@ -85,7 +60,7 @@ def test_a_read_only_copy_is_used_while_fresh_and_named_when_it_must_be_rebuilt(
     cfg = CriteoConfig(train_path=str(path), processed_dir=str(tmp_path / "p"), num_embeddings=ROWS)
     assert CriteoSource(cfg).num_train_samples() == 180
     with monkeypatch.context() as patch:
-        _refuse_writes_in(patch, tmp_path / "p" / "train")
+        refuse_writes_in(patch, tmp_path / "p" / "train")
         assert CriteoSource(cfg).num_train_samples() == 180  # fresh: read, nothing written
         with pytest.raises(ValueError) as info:
             CriteoSource(CriteoConfig(train_path=str(path), processed_dir=str(tmp_path / "p"), num_embeddings=2 * ROWS))
