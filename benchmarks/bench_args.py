@@ -1,8 +1,12 @@
-"""Argument types shared by the benchmark scripts (they import each other by their bare names)."""
+"""Argument types and checks shared by the benchmark scripts (they import each other by their bare
+names): whole numbers and lists of them, bounded real numbers, and ``check_out`` for ``--out``."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from typing import Optional
 
 
 def at_least(minimum: int):
@@ -32,3 +36,49 @@ def list_of(minimum: int):
 
     parse.__name__ = f"comma-separated whole numbers >= {minimum}"
     return parse
+
+
+def number(low: float, high: float = math.inf, *, above: bool = False, finite: bool = True):
+    """An argparse ``type``: a real number in [``low``, ``high``] (``above``: greater than ``low``);
+    NaN refused, and infinity unless ``finite`` is false (a negative --skews, a --data-limit-gb 0 or
+    a --timeout 0 were taken, and failed or gave wrong figures after the work had run)."""
+    lower = f"> {low:g}" if above else f">= {low:g}"
+    bounds = lower if high == math.inf else f"in {'(' if above else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if math.isnan(value) or (finite and math.isinf(value)) or value > high or value < low \
+                or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'a finite number ' if finite else ''}{bounds}, got {text}")
+        return value
+
+    parse.__name__ = f"number {bounds}"
+    return parse
+
+
+def out_problem(path: str, option: str = "--out") -> Optional[str]:
+    """Why the output file ``path`` could not be written at the end of a run (None: it can): a
+    directory named as the file, a parent folder that is a file or not writable (its missing
+    folders are made here, as the end of the run would), a file that exists read-only."""
+    from neorec.files import ensure_writable_dir
+
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return f"{path!r} is a directory; give the file to write, e.g. {os.path.join(path, 'results.json')!r}"
+    try:
+        ensure_writable_dir(os.path.dirname(os.path.abspath(path)), f"the folder of {option}")
+    except ValueError as error:
+        return str(error)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{path!r} exists and is not writable"
+    return None
+
+
+def check_out(parser: argparse.ArgumentParser, path: Optional[str], option: str = "--out") -> None:
+    """A usage error (exit 2) before any work when ``--out`` cannot be written: the scripts made
+    the folder and opened the file only at the end, so a bad --out lost the whole run."""
+    problem = out_problem(path, option) if path else None
+    if problem:
+        parser.error(f"argument {option}: {problem}")

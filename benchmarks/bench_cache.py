@@ -55,7 +55,7 @@ from neorec.embedding.cache import SetAssociativeCache
 from neorec.embedding.cache_prefetch import cached_collections, with_prefetch
 from neorec.embedding.storage import DramRowStore
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, check_out, number  # same folder (run as a script)
 
 CACHE_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.25, 0.50)
 SECTIONS = ("hit-rate", "train", "big-ssd")
@@ -122,13 +122,19 @@ def section_hit_rate(args) -> Dict:
     print(f"\n## hit rate: {args.rows:,} rows, {args.batches} batches of {args.ids_per_batch} ids "
           f"(warm-up {args.warmup}), {args.ways}-way LRU / LFU vs Belady (fully associative)")
     print(f"{'zipf':>5} {'cache':>6} {'slots':>7} {'LRU':>7} {'LFU':>7} {'Belady':>7} {'best gap (pp)':>14}")
+    skipped = []
     for alpha in args.skews:
         trace = zipf_trace(args.rows, alpha, args.ids_per_batch, args.batches, seed=7)
         distinct = statistics.mean(len(b) for b in trace)
         for fraction in args.fractions:
             slots = max(args.ways, math.ceil(fraction * args.rows / args.ways) * args.ways)
-            if slots < max(len(b) for b in trace):
-                continue  # a batch would not fit (the collection would grow the cache)
+            largest = max(len(b) for b in trace)
+            if slots < largest:  # a batch would not fit (the collection would grow the cache): said, not dropped
+                skipped.append({"zipf": alpha, "cache_fraction": fraction, "slots": slots, "largest_batch": largest})
+                print(f"{alpha:>5} {fraction:>6.0%} {slots:>7}  not run: a batch has {largest} distinct ids, more "
+                      f"than the cache's {slots} slots (more --rows, a larger fraction or fewer --ids-per-batch)",
+                      flush=True)
+                continue
             row = {"zipf": alpha, "cache_fraction": fraction, "slots": slots, "distinct_per_batch": distinct,
                    "lru": policy_hit_rate(trace, args.rows, slots, "lru", args.ways, args.warmup),
                    "lfu": policy_hit_rate(trace, args.rows, slots, "lfu", args.ways, args.warmup),
@@ -138,7 +144,7 @@ def section_hit_rate(args) -> Dict:
             print(f"{alpha:>5} {fraction:>6.0%} {slots:>7} {row['lru']:>7.1%} {row['lfu']:>7.1%} "
                   f"{row['belady']:>7.1%} {row['gap_pp']:>14.1f}", flush=True)
     return {"rows": args.rows, "batches": args.batches, "ids_per_batch": args.ids_per_batch, "warmup": args.warmup,
-            "ways": args.ways, "results": results}
+            "ways": args.ways, "results": results, "skipped": skipped}
 
 
 # ---------------------------------------------------------------------------------- training
@@ -203,11 +209,12 @@ def section_train(args, workdir: str) -> Dict:
         median = statistics.median(rates[name])
         stats = [c.stats for col in cached_collections(trainers[name].model) for c in col.caches.values()]
         lookups = sum(s.lookups for s in stats)
-        hit = sum(s.hits for s in stats) / lookups if lookups else float("nan")
+        hit = sum(s.hits for s in stats) / lookups if lookups else None  # no cache: null in the JSON (no NaN)
         loaded = sum(s.misses + s.prefetch_loads for s in stats) / (args.rounds * args.steps)
         results.append({"variant": name, "samples_per_s": median, "all_samples_per_s": rates[name],
                         "ratio_to_resident": median / base, "hit_rate": hit, "rows_loaded_per_step": loaded})
-        print(f"{name:<28} {median:>10,.0f} {median / base:>12.2f} {hit:>9.1%} {loaded:>12,.0f}", flush=True)
+        shown = f"{hit:>9.1%}" if hit is not None else f"{'-':>9}"
+        print(f"{name:<28} {median:>10,.0f} {median / base:>12.2f} {shown} {loaded:>12,.0f}", flush=True)
     for trainer in trainers.values():
         for collection in cached_collections(trainer.model):
             collection.close()
@@ -379,11 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hit-rate: batches looked up before hits are counted (default 200)")
     parser.add_argument("--ways", type=at_least(1), default=32, metavar="N",
                         help="hit-rate: ways of the set-associative cache (default 32)")
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.05, 1.2], metavar="ALPHA",
-                        help="hit-rate: Zipf skews of the traces (default 0.8 1.05 1.2)")
-    parser.add_argument("--fractions", type=float, nargs="+", default=list(CACHE_FRACTIONS), metavar="F",
-                        help="hit-rate: cache sizes as fractions of the rows "
-                             f"(default {' '.join(str(f) for f in CACHE_FRACTIONS)})")
+    parser.add_argument("--skews", type=number(0), nargs="+", default=[0.8, 1.05, 1.2], metavar="ALPHA",
+                        help="hit-rate: Zipf skews of the traces, >= 0 (0 = uniform; default 0.8 1.05 1.2)")
+    parser.add_argument("--fractions", type=number(0, 1, above=True), nargs="+", default=list(CACHE_FRACTIONS),
+                        metavar="F", help="hit-rate: cache sizes as fractions of the rows, in (0, 1], rounded up to "
+                        f"whole sets of --ways slots (default {' '.join(str(f) for f in CACHE_FRACTIONS)}); a size "
+                        "smaller than a batch's distinct ids is not run, and said")
     parser.add_argument("--tables", type=at_least(1), nargs="+", default=[1_000_000, 300_000, 50_000, 1000],
                         metavar="ROWS", help="train: rows of each table; the smallest stays on the device "
                                              "(default 1000000 300000 50000 1000)")
@@ -403,11 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="big-ssd: rows of the big table (default 16000000)")
     parser.add_argument("--big-dim", type=at_least(1), default=64, metavar="D",
                         help="big-ssd: its embedding dimension (default 64)")
-    parser.add_argument("--big-steps", type=at_least(1), default=60, metavar="N",
-                        help="big-ssd: training steps (default 60)")
+    parser.add_argument("--big-steps", type=at_least(2), default=60, metavar="N",
+                        help="big-ssd: training steps, at least 2: chunks with and without prefetch alternate "
+                             "(default 60)")
     parser.add_argument("--big-cache-rows", type=at_least(1), default=32_768, metavar="N",
                         help="big-ssd: rows of its cache (default 32768)")
-    parser.add_argument("--data-limit-gb", type=float, default=1.0, metavar="GB",
+    parser.add_argument("--data-limit-gb", type=number(0, above=True), default=1.0, metavar="GB",
                         help="big-ssd: the child's data segment cap, RLIMIT_DATA (default 1)")
     parser.add_argument("--resident-budget-mb", type=at_least(1), default=256, metavar="MB",
                         help="big-ssd: pages of the SSD store released after about this much is written "
@@ -421,18 +430,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", RuntimeWarning)
-    if args.child_big_ssd:
-        print(json.dumps(big_ssd_child(args)))
-        return 0
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, ``--smoke``'s sizes put in, checked together (usage errors, exit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.rows, args.batches, args.ids_per_batch, args.warmup, args.skews = 20_000, 40, 256, 10, [1.05]
         args.tables, args.batch_size, args.warmup_steps, args.steps, args.rounds = [20_000, 5_000, 100], 256, 3, 3, 2
         args.big_rows, args.big_steps, args.big_cache_rows, args.big_dim = 400_000, 5, 8192, 16
         args.data_limit_gb = 1.0
+    if args.warmup >= args.batches:  # no batch left to count: LRU/LFU gave the warm-up's rates, Belady 0
+        parser.error(f"argument --warmup: must be less than --batches ({args.batches}): hits are counted on the "
+                     f"batches after the warm-up, got {args.warmup}")
+    check_out(parser, args.out)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", RuntimeWarning)
+    if args.child_big_ssd:
+        print(json.dumps(big_ssd_child(args)))
+        return 0
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_cache_")
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,

@@ -37,7 +37,7 @@ from neorec.config import load_config
 from neorec.train.checkpoint import verify_checkpoint
 from neorec.train.trainer import Trainer
 
-from bench_args import at_least, list_of  # same folder (run as a script)
+from bench_args import at_least, check_out, list_of  # same folder (run as a script)
 
 MODES = {"full": (False, 32), "incr": (True, 32), "incr+q8": (True, 8), "incr+q4": (True, 4)}
 
@@ -153,9 +153,9 @@ def bytes_and_ne(args, intervals: List[int], tmp: Path, results: Dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=at_least(1), help="training steps per run (default 200; --quick 40)")
-    parser.add_argument("--intervals", type=list_of(1), help="checkpoint every N steps (comma list; default "
-                        "10,25,50; --quick 10,20)")
-    parser.add_argument("--batch-size", type=at_least(1), default=512)
+    parser.add_argument("--intervals", type=list_of(1), help="checkpoint every N steps (comma list, each at most "
+                        "--steps; default 10,25,50; --quick 10,20)")
+    parser.add_argument("--batch-size", type=at_least(1), default=512, help="samples per training step (default 512)")
     parser.add_argument("--dim", type=at_least(1), default=16, help="embedding dim")
     parser.add_argument("--fraction", type=float, default=1.0, help="checkpoint.full_when_fraction_exceeds")
     parser.add_argument("--after", type=at_least(0), help="steps trained after restoring (NE part; default 100; "
@@ -170,9 +170,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     defaults = dict(steps=40, intervals=[10, 20], after=20, repeats=3) if args.quick else \
         dict(steps=200, intervals=[10, 25, 50], after=100, repeats=7)  # (--quick used to override given ones)
+    intervals_given = args.intervals is not None
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    too_long = [interval for interval in args.intervals if interval > args.steps]
+    if too_long and not args.tracking_only:  # no checkpoint in the run: "mean requires at least one data point"
+        which = "--quick's" if args.quick else "the"
+        given = "" if intervals_given else (f" ({which} default --intervals {','.join(map(str, args.intervals))}: "
+                                            f"give --intervals up to {args.steps}, or more --steps)")
+        parser.error(f"argument --intervals: {too_long[0]} is more than --steps {args.steps}, so no checkpoint would "
+                     f"be taken{given}")
+    check_out(parser, args.out)
     intervals = args.intervals
     results: Dict = {"machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
                      "args": vars(args), "bytes": [], "quantized_ne": [], "tracking": {}}

@@ -26,19 +26,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import List
 
 import torch
 
 from neorec.planner.baselines import BASELINES, baseline_loads
 from neorec.planner.cost_model import PlanSettings, TableSpec
 from neorec.planner.planner import plan_tables
-from neorec.planner.presets import get_model_preset
+from neorec.planner.presets import MODEL_PRESETS, get_model_preset
 from neorec.planner.simulate import scaling, simulate
 from neorec.planner.topology import zionex
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, check_out, number  # same folder (run as a script)
 
 WORLDS = (4, 8, 16, 32, 64, 128)
+# the presets with the paper's QPS to compare with (Neo's; the Criteo DLRMs have none)
+PAPER_MODELS = tuple(name for name, make in MODEL_PRESETS.items() if make().paper_qps is not None)
 
 
 def make_task(seed: int):
@@ -118,22 +121,41 @@ def run_paper(rounds: int, models, nodes=(1, 2, 4, 8, 16)) -> dict:
     return out
 
 
-def main() -> None:
+def models_arg(text: str) -> List[str]:
+    """``--models``: comma-separated presets of ``neorec.planner.presets`` that carry the paper's QPS
+    (an unknown name was refused only after the suite had run)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PAPER_MODELS]
+    if unknown or not names:
+        what = "no model preset" if not unknown else f"unknown model preset {unknown[0]!r}" \
+            if unknown[0] not in MODEL_PRESETS else f"model preset {unknown[0]!r} has no paper QPS to compare with"
+        raise argparse.ArgumentTypeError(f"{what}; choose from {', '.join(PAPER_MODELS)}")
+    return names
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("suite", "paper", "all"), default="all")
-    parser.add_argument("--models", default="neo-model-a,neo-model-f,neo-model-i")
-    parser.add_argument("--tasks", type=at_least(1), default=100)
-    parser.add_argument("--time-limit", type=float, default=2.0, help="planner search seconds per suite task")
+    parser.add_argument("--part", choices=("suite", "paper", "all"), default="all",
+                        help="suite: the 100-task suite; paper: Model-A/F/I on ZionEX; all: both (default)")
+    parser.add_argument("--models", default="neo-model-a,neo-model-f,neo-model-i", type=models_arg,
+                        help=f"paper: comma-separated model presets, from {', '.join(PAPER_MODELS)} "
+                             "(default neo-model-a,neo-model-f,neo-model-i)")
+    parser.add_argument("--tasks", type=at_least(1), default=100,
+                        help="suite: generated tasks, the first N of the fixed seeds (default 100)")
+    parser.add_argument("--time-limit", type=number(0, finite=False), default=2.0,
+                        help="planner search seconds per suite task, >= 0 (0: the greedy start, no search after it; "
+                             "default 2)")
     parser.add_argument("--paper-rounds", type=at_least(1), default=300,
                         help="improvement-search rounds per model plan (no time limit: deterministic)")
     parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_out(parser, args.out)
     report = {"machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
               "command": " ".join(sys.argv)}
     if args.part in ("suite", "all"):
         report["suite"] = run_suite(args.tasks, args.time_limit)
     if args.part in ("paper", "all"):
-        report["paper"] = run_paper(args.paper_rounds, args.models.split(","))
+        report["paper"] = run_paper(args.paper_rounds, args.models)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

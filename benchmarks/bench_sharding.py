@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench_args import list_of  # same folder (run as a script)
+from bench_args import check_out, list_of  # same folder (run as a script)
 from neorec.config import load_config
 from neorec.data import make_data_source
 from neorec.sharding import (
@@ -76,6 +76,24 @@ def make_plan(kind: str, tables, world: int) -> ShardingPlan:
     return ShardingPlan(plans, world, RANKS_PER_NODE)
 
 
+def worlds_arg(text: str) -> List[int]:
+    """``--worlds``: comma-separated world sizes, each a multiple of ``RANKS_PER_NODE`` (the plans
+    place ``RANKS_PER_NODE`` ranks on each node; ``--worlds 1`` or ``3`` failed inside the spawned
+    ranks)."""
+    worlds = list_of(RANKS_PER_NODE)(text)
+    odd = [w for w in worlds if w % RANKS_PER_NODE]
+    if odd:
+        raise argparse.ArgumentTypeError(f"must be multiples of {RANKS_PER_NODE} (the ranks per node), got {odd[0]}")
+    return worlds
+
+
+def full_batches(world: int) -> int:
+    """The full batches (``data.batch_size`` samples per rank) the default config's data holds for
+    ``world`` ranks: the most steps a byte count can average over."""
+    cfg = load_config(ROOT / "configs" / "default.toml")
+    return make_data_source(cfg.data).num_train_samples() // (cfg.data.batch_size * world)
+
+
 def _bytes_rank(rank: int, world: int, directory: str, steps: int) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(directory, "store"), world)
@@ -96,7 +114,7 @@ def _bytes_rank(rank: int, world: int, directory: str, steps: int) -> None:
         for batch in batches:
             pooled = collection(batch.sparse).values
             pooled.backward(torch.ones_like(pooled))
-        results[kind] = {name: value / steps for name, value in stats.bytes_sent.items()}
+        results[kind] = {name: value / len(batches) for name, value in stats.bytes_sent.items()}
         dist.barrier()
     Path(directory, f"bytes{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -146,16 +164,26 @@ def measure_speed(repeats: int, samples: int) -> Dict[str, Dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["bytes", "speed", "all"], default="all")
-    parser.add_argument("--worlds", default="2,4", type=list_of(1),
-                        help="world sizes of the byte counts (default 2,4)")
-    parser.add_argument("--steps", type=at_least(1), default=3, help="steps averaged in the byte counts")
+    parser.add_argument("--part", choices=["bytes", "speed", "all"], default="all",
+                        help="bytes: the byte counts only; speed: the training speed only; all: both (default)")
+    parser.add_argument("--worlds", default="2,4", type=worlds_arg,
+                        help=f"world sizes of the byte counts, multiples of {RANKS_PER_NODE} (default 2,4)")
+    parser.add_argument("--steps", type=at_least(1), default=3,
+                        help="steps averaged in the byte counts, at most the full batches of the data at the "
+                             "largest world size (default 3)")
     parser.add_argument("--repeats", type=at_least(1), default=3, help="alternating runs of each speed contender")
     parser.add_argument("--samples", type=at_least(2048), default=153_600,
                         help="training samples per speed run (at least one step of 1024 samples on each of 2 "
                         "ranks: --max-steps 0 would mean a whole epoch)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.part in ("bytes", "all"):
+        world = max(args.worlds)
+        available = full_batches(world)
+        if args.steps > available:  # the steps past the data's end were not run, yet divided by
+            parser.error(f"argument --steps: the default config's data holds {available} full batches at {world} "
+                         f"ranks, got {args.steps}")
+    check_out(parser, args.out)
     report = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "torch": torch.__version__, "cpus": os.cpu_count()},
               "date": time.strftime("%Y-%m-%d")}
