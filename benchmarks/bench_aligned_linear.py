@@ -33,9 +33,10 @@ def mlp(layer, sizes):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=at_least(1), default=2)
-    parser.add_argument("--rounds", type=at_least(1), default=40)
-    parser.add_argument("--batch", type=at_least(1), default=2048)
+    parser.add_argument("--threads", type=at_least(1), default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--rounds", type=at_least(1), default=40,
+                        help="timed steps of each variant, alternating, after 2 untimed ones; medians (default 40)")
+    parser.add_argument("--batch", type=at_least(1), default=2048, help="samples per step (default 2048)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     features, dim = 26, 64

@@ -51,11 +51,15 @@ print(json.dumps({"ms": statistics.median(wall), "faults": statistics.median(fau
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="pool1", choices=["pool1", "pool20"])
-    parser.add_argument("--pairs", type=at_least(1), default=4)
-    parser.add_argument("--runs", type=at_least(1), default=12)
-    parser.add_argument("--steps", type=at_least(1), default=5)
-    parser.add_argument("--threads", type=at_least(1), default=os.cpu_count() or 1)
+    parser.add_argument("--config", default="pool1", choices=["pool1", "pool20"],
+                        help="bench_e2e's configuration to train (default pool1)")
+    parser.add_argument("--pairs", type=at_least(1), default=4,
+                        help="processes of each variant, alternating off, on, off, on, ... (default 4)")
+    parser.add_argument("--runs", type=at_least(1), default=12,
+                        help="timed runs in each process, after a warm-up of 6 steps; medians (default 12)")
+    parser.add_argument("--steps", type=at_least(1), default=5, help="training steps per timed run (default 5)")
+    parser.add_argument("--threads", type=at_least(1), default=os.cpu_count() or 1,
+                        help="torch intra-op threads of each process (default: the cores)")
     args = parser.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     results = {"off": [], "on": []}

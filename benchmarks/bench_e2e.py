@@ -82,7 +82,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, check_out  # same folder (run as a script)
 
 SPARSE_LR, DENSE_LR, EPS = 0.05, 0.01, 1e-8
 NUM_DENSE = 13
@@ -440,6 +440,7 @@ def main(argv=None) -> int:
                         "as one more contender: TorchRec's step over it bounds the reachable ratio")
     p.add_argument("--out", default="", help="also write every figure, the command and the versions to this JSON file")
     args = p.parse_args(argv)
+    check_out(p, args.out)
     table = QUICK if args.quick else CONFIGS
     names = args.configs.split(",")
     unknown = [n for n in names if n not in table]

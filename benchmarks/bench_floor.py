@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_args import check_out  # noqa: E402
 from bench_e2e import BOTTOM, CONFIGS, NUM_DENSE, TOP  # noqa: E402  (same model as the benchmark)
 from bench_tbe import BenchConfig, make_batches  # noqa: E402
 
@@ -123,8 +124,9 @@ def embedding_accesses(name: str) -> Dict[str, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", default="", help="write the results as JSON here (default: none)")
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     cores = os.cpu_count() or 1
     report: Dict = {"torch": torch.__version__, "cpus": cores, "threads": {}}
     for threads in sorted({1, cores}):

@@ -46,7 +46,7 @@ def rounds_arg(text: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=at_least(1), default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--rounds", type=rounds_arg, default=40,
                         help=f"rounds per shape; the first {WARMUP} are warm-up and dropped, so at least "
                              f"{WARMUP + 1} (default 40)")

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, check_out, number  # same folder (run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -153,7 +153,7 @@ def run_variant(name: str, args, network: Optional[VethPair], port: int) -> Dict
             "veth_tx_bytes_per_step": sum(tx) / args.steps}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--network", choices=["netns", "loopback"], default="netns",
                         help="netns: 2 namespaces over a shaped veth pair (default); loopback: the host's lo")
@@ -164,13 +164,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=at_least(1), default=2, help="rounds over the variants (default 2)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of "
                         + ", ".join(VARIANTS))
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
+    parser.add_argument("--timeout", type=number(0, above=True), default=900.0,
+                        help="seconds per run before it is killed, > 0 (default 900)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; variants are {list(VARIANTS)}")
+    if not names:
+        parser.error(f"argument --variants: no variant named; variants are {list(VARIANTS)}")
+    check_out(parser, args.out)
 
     network, network_note = None, "loopback (requested)"
     if args.network == "netns":

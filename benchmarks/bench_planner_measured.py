@@ -50,7 +50,7 @@ from neorec.planner.simulate import simulate
 from neorec.sharding import ShardedEmbeddingBagCollection, ShardingPlan, row_wise, table_wise
 from neorec.sparse.jagged import KeyedJaggedTensor
 
-from bench_args import at_least, list_of  # same folder (run as a script)
+from bench_args import at_least, check_out, list_of  # same folder (run as a script)
 
 BATCH = 512
 VARIANTS = {  # planner runs restricted to these sharding types, plus hand-made plans (None)
@@ -211,9 +211,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="2,4", type=list_of(1), help="world sizes to calibrate, plan and "
                         "train (default 2,4)")
-    parser.add_argument("--steps", type=at_least(1), default=8)
-    parser.add_argument("--out")
+    parser.add_argument("--steps", type=at_least(1), default=8,
+                        help="timed steps per plan on each rank, after 2 untimed ones; medians over them (default 8)")
+    parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     tables = make_tables()
     report = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
               "torch": torch.__version__, "command": " ".join(sys.argv),

@@ -39,7 +39,7 @@ from torch import nn
 from neorec.embedding import SparseOptimizerConfig, TableBatchedEmbeddingBags, TableConfig
 from neorec.sparse import KeyedJaggedTensor
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, check_out  # same folder (run as a script)
 
 LEARNING_RATE, EPS = 0.05, 1e-8
 
@@ -224,10 +224,12 @@ def machine() -> Dict:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
-    parser.add_argument("--repeats", type=at_least(1), default=7, help="alternating rounds per contender")
+    parser.add_argument("--repeats", type=at_least(1), default=None,
+                        help="alternating rounds per contender (default 7; --quick 3)")
     parser.add_argument("--steps", type=at_least(1), default=3, help="training steps per timed run")
     parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per contender first")
-    parser.add_argument("--quick", action="store_true", help="small tables and 3 repeats (smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small tables and 3 repeats unless --repeats is given (smoke test)")
     parser.add_argument("--threads", type=at_least(1), default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-fbgemm", action="store_true", help="skip fbgemm_gpu even if importable")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -237,7 +239,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {list(table)}")
-    repeats = 3 if args.quick else args.repeats
+    if not names:
+        parser.error(f"argument --configs: no config named; choose from {list(table)}")
+    check_out(parser, args.out)
+    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 7  # a given --repeats wins
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     fbgemm_version = None if args.no_fbgemm else fbgemm_available()

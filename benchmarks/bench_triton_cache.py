@@ -21,9 +21,11 @@ Run on a CUDA machine (repository root, venv active, ``pip install -e '.[gpu]'``
 
     python benchmarks/bench_triton_cache.py --out benchmarks/results/bench_triton_cache.json
 
-Without CUDA it says so and exits 0. ``--smoke`` runs every code path on CPU at tiny sizes in
-triton's interpreter (timings meaningless): ``python benchmarks/bench_triton_cache.py --smoke``;
-it writes no JSON unless ``--out`` names a file (the default is the committed GPU results).
+Without CUDA it says so and exits 2 (nothing measured). ``--smoke`` runs every code path on CPU
+at tiny sizes in triton's interpreter (timings meaningless); a smoke run writes no JSON unless
+``--out`` names a file (the default is the committed GPU results):
+
+    python benchmarks/bench_triton_cache.py --smoke
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from bench_args import at_least
+from bench_args import at_least, check_out
 from bench_triton_tbe import copy_bandwidth, output_path, timing_device  # same folder (run as a script)
 
 
@@ -165,14 +167,17 @@ def run_config(config: CacheBenchConfig, device: torch.device, repeats: int, cop
 
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=at_least(1), default=15, help="timed calls per contender and phase")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        help=f"configurations to run, from {', '.join(CONFIGS)} (default: all)")
+    parser.add_argument("--repeats", type=at_least(1), default=15,
+                        help="timed calls per contender and phase (default 15; --smoke 2)")
     parser.add_argument("--out", default=None,
                         help="results JSON (default: benchmarks/results/bench_triton_cache.json of this repository; "
                              "with --smoke, nothing is written unless --out is given)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, triton interpreter: code paths only")
     args = parser.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "bench_triton_cache")
+    check_out(parser, args.out)
 
     device = timing_device("bench_triton_cache", args.smoke, "tests/gpu/test_triton_cache.py")
     if device is None:

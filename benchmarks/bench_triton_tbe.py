@@ -23,9 +23,11 @@ Run on a CUDA machine (repository root, venv active, ``pip install -e '.[gpu]'``
     python benchmarks/bench_triton_tbe.py --out benchmarks/results/bench_triton_tbe.json
     python benchmarks/bench_triton_tbe.py --configs pool20 --repeats 7
 
-Without CUDA it says so and exits 0. ``--smoke`` runs every code path on CPU at tiny sizes in
-triton's interpreter (timings meaningless): ``python benchmarks/bench_triton_tbe.py --smoke``;
-it writes no JSON unless ``--out`` names a file (the default is the committed GPU results).
+Without CUDA it says so and exits 2 (nothing measured). ``--smoke`` runs every code path on CPU
+at tiny sizes in triton's interpreter (timings meaningless); a smoke run writes no JSON unless
+``--out`` names a file (the default is the committed GPU results):
+
+    python benchmarks/bench_triton_tbe.py --smoke
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from bench_args import at_least  # same folder (run as a script)
+from bench_args import at_least, check_out  # same folder (run as a script)
 
 LEARNING_RATE, EPS = 0.05, 1e-8
 
@@ -259,16 +261,21 @@ def check_forward(contenders, batch: Batch) -> float:
 
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=at_least(1), default=5)
-    parser.add_argument("--steps", type=at_least(1), default=10)
-    parser.add_argument("--num-batches", type=at_least(1), default=4)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        help=f"configurations to run, from {', '.join(CONFIGS)} (default: all)")
+    parser.add_argument("--repeats", type=at_least(1), default=5,
+                        help="alternating rounds of the contenders per phase, medians over them (default 5; --smoke 1)")
+    parser.add_argument("--steps", type=at_least(1), default=10,
+                        help="consecutive calls in each timed sample (default 10; --smoke 1)")
+    parser.add_argument("--num-batches", type=at_least(1), default=4,
+                        help="distinct batches per configuration, cycled through by the calls (default 4; --smoke 2)")
     parser.add_argument("--out", default=None,
                         help="results JSON (default: benchmarks/results/bench_triton_tbe.json of this repository; "
                              "with --smoke, nothing is written unless --out is given)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, triton interpreter: code paths only")
     args = parser.parse_args(argv)
     args.out = output_path(args.out, args.smoke, "bench_triton_tbe")
+    check_out(parser, args.out)
 
     device = timing_device("bench_triton_tbe", args.smoke, "tests/gpu")
     if device is None:

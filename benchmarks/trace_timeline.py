@@ -51,9 +51,11 @@ def main(argv=None) -> int:
                         help="trace files to merge (default: W of the prefix's _rW suffix, else 2)")
     parser.add_argument("--start", type=float, default=0.0, help="ms from the first event")
     parser.add_argument("--end", type=float, default=float("inf"), help="ms from the first event")
-    parser.add_argument("--min-ms", type=float, default=0.1)
+    parser.add_argument("--min-ms", type=float, default=0.1, help="leave out events shorter than this (default 0.1)")
     parser.add_argument("--match", default=",".join(DEFAULT_MATCH), help="comma list of name substrings")
     args = parser.parse_args(argv)
+    if args.start > args.end:
+        parser.error(f"argument --end: must not be before --start ({args.start:g}), got {args.end:g}")
     match = tuple(m for m in args.match.split(",") if m)
     ranks = args.ranks or ranks_of(args.prefix) or 2
     paths = [f"{args.prefix}_rank{rank}.json" for rank in range(ranks)]
