@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 from typing import Optional
 
 
@@ -61,18 +62,20 @@ def number(low: float, high: float = math.inf, *, above: bool = False, finite: b
 
 def out_problem(path: str, option: str = "--out") -> Optional[str]:
     """Why the output file ``path`` could not be written at the end of a run (None: it can): a
-    directory named as the file, a parent folder that is a file or not writable (its missing
-    folders are made here, as the end of the run would), a file that exists read-only."""
-    from neorec.files import ensure_writable_dir
-
+    directory named as the file, a file that exists read-only, or (for a new file) a folder above
+    it that is a file or in which nothing can be made. Makes nothing: a run refused for another
+    reason right after leaves no folder behind; the end of the run makes the missing folders."""
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         return f"{path!r} is a directory; give the file to write, e.g. {os.path.join(path, 'results.json')!r}"
-    try:
-        ensure_writable_dir(os.path.dirname(os.path.abspath(path)), f"the folder of {option}")
-    except ValueError as error:
-        return str(error)
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return f"{path!r} exists and is not writable"
+    if os.path.exists(path):  # (written in place: its folder's own rights do not matter)
+        return None if os.access(path, os.W_OK) else f"{path!r} exists and is not writable"
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = next(p for p in (folder, *map(str, Path(folder).parents)) if os.path.lexists(p))
+    if not os.path.isdir(existing):
+        return f"the folder of {option} {path!r} cannot be made: {existing!r} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"the folder of {option} {path!r} cannot be {'written in' if existing == folder else 'made'}: " \
+               f"{existing!r} is not writable"
     return None
 
 

@@ -91,7 +91,7 @@ class NativePath:
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """[B, total_dim] fp32 pooled embeddings, features in ``module.feature_names`` order."""
         m = self.module
-        features = features_in_order(features, m.feature_names, m.weights.device)
+        features = features_in_order(features, m.feature_names, m.weights.device, check_sum=False)  # (check_bags)
         weights = features.weights
         if weights is not None:
             weights = weights.detach().to(torch.float32).contiguous()

@@ -72,17 +72,27 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(script, argv, 
     assert "argument --out:" in err and "is a directory" in err, err
     (tmp_path / "file").write_text("")
     err = _refused(module, argv + ["--out", str(tmp_path / "file" / "r.json")], capsys)
-    assert "argument --out:" in err and "is a file, not a directory" in err, err
+    assert "argument --out:" in err and "is not a directory" in err, err
 
 
-def test_check_out_makes_the_missing_folders_and_takes_a_writable_file(tmp_path):
+def test_check_out_makes_nothing_and_takes_a_writable_file(tmp_path, monkeypatch):
+    """It made --out's folders, and a run refused right after for another reason (bench_e2e without
+    the peers, the Triton scripts without CUDA) left them; and it refused a writable file in a
+    folder it could not write in (--out /dev/null as a user)."""
     import bench_args
 
     out = tmp_path / "new" / "sub" / "r.json"
     assert bench_args.out_problem(str(out)) is None
-    assert out.parent.is_dir() and list(out.parent.iterdir()) == []  # the probe file is gone
+    assert not (tmp_path / "new").exists()
     assert "is a directory" in bench_args.out_problem(str(tmp_path / "new") + "/")
     bench_args.check_out(argparse.ArgumentParser(), "")  # no --out: nothing to check
+    existing = tmp_path / "ro" / "r.json"
+    existing.parent.mkdir()
+    existing.write_text("")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(existing.parent) else real_access(p, mode))
+    assert bench_args.out_problem(str(existing)) is None  # written in place
+    assert "is not writable" in bench_args.out_problem(str(existing.parent / "other.json"))
 
 
 # ---------------------------------------------------------------------------------- help texts

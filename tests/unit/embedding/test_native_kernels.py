@@ -421,10 +421,10 @@ def test_an_unvalidated_batch_whose_lengths_pass_its_values_is_refused_before_th
     weights = torch.ones(2) if weighted else None
     kjt = KeyedJaggedTensor(["t"], torch.tensor([1, 2]), torch.tensor([2, 3]), weights=weights, batch_size=2,
                             validate=False)
-    with pytest.raises(ValueError, match="its lengths sum to 5 but it holds 2 values"):
+    with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
         with torch.no_grad():
             module(kjt)
-    with pytest.raises(ValueError, match="its lengths sum to 5 but it holds 2 values"):
+    with pytest.raises(ValueError, match="its lengths add up to 5, but it has 2 values"):
         module(kjt).values.sum().backward()
     negative = KeyedJaggedTensor(["t"], torch.tensor([1, 2]), torch.tensor([5, -3]), weights=weights, batch_size=2,
                                  validate=False)  # adds up, but bag 0 would read ids[0:5]
