@@ -202,7 +202,7 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.data_command == "preprocess-criteo":
         if args.num_embeddings < 2:
             raise ValueError(f"--num-embeddings must be >= 2 (row 0 holds missing values), got {args.num_embeddings}")
-        from neorec.data.config import check_criteo_tsv
+        from neorec.data.config import check_criteo_tsv, check_processed_dir, no_rows_reason
 
         for tsv, what in [(args.tsv, "TSV"), (args.eval_tsv, "--eval-tsv")]:  # all, before hours of work on one
             if tsv is not None:
@@ -212,7 +212,7 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  "by default TSV.neorec beside the TSV; the second argument, PROCESSED_DIR, puts it elsewhere")
         inputs = [(tsv, split) for tsv, split in [(args.tsv, "train"), (args.eval_tsv, "eval")] if tsv is not None]
         for _, split in inputs:  # every output folder too, before any work
-            criteo.check_processed_dir(os.path.join(processed, split), where)
+            check_processed_dir(os.path.join(processed, split), where)
         sets = [f"data.criteo.train_path={toml_string(args.tsv)}"]
         for tsv, split in inputs:
             out = os.path.join(processed, split)
@@ -222,7 +222,7 @@ def cmd_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"  skipped {example}")
             if stats.num_rows == 0:  # training on it would stop at "holds no rows": not left as a copy
                 criteo.remove_empty_copy(tsv, out)  # (as training removes it; the lock file stays)
-                raise ValueError(f"{tsv} holds no rows ({criteo.no_rows_reason(stats.num_lines, stats.num_skipped)}):"
+                raise ValueError(f"{tsv} holds no rows ({no_rows_reason(stats.num_lines, stats.num_skipped)}):"
                                  f" nothing to {'train' if split == 'train' else 'evaluate'} on")
             skipped = f", {stats.num_skipped:,} malformed lines skipped" if stats.num_skipped else ""
             print(f"preprocessed {tsv} -> {out}: {stats.num_rows:,} rows of {stats.num_lines:,} lines"

@@ -36,13 +36,15 @@ def temporary_name(name: str, pid: Optional[int] = None) -> str:
 STALE_TEMPORARY_SECONDS = 60.0
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process of this host (one this process may not signal, or a
+    number no signal can name, counts as alive: its files are left alone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):
-        return True  # someone else's live process (or a pid no signal can name: leave its file)
+    except (OSError, OverflowError):
+        return True
     return True
 
 
@@ -59,7 +61,7 @@ def sweep_temporaries(folder: str | os.PathLike) -> list[Path]:
     now = time.time()
     for p in entries:
         match = TEMPORARY.fullmatch(p.name)
-        if not match or int(match.group(1)) == os.getpid() or _process_alive(int(match.group(1))):
+        if not match or int(match.group(1)) == os.getpid() or process_alive(int(match.group(1))):
             continue
         try:
             info = os.lstat(p)

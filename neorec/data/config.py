@@ -1,4 +1,6 @@
-"""Configuration of the data sources (plain dataclasses; loaded from the ``[data]`` TOML section).
+"""Configuration of the data sources (plain dataclasses; loaded from the ``[data]`` TOML section),
+and the checks of their files: a Criteo TSV (``check_criteo_tsv``) and the folder of its processed
+copy (``check_processed_dir``).
 
 Each dataclass checks its own values in ``__post_init__`` and raises ``ValueError`` naming the key.
 """
@@ -6,6 +8,7 @@ Each dataclass checks its own values in ``__post_init__`` and raises ``ValueErro
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
@@ -251,3 +254,39 @@ def check_criteo_tsv(path: str | Path, what: str, held_out: bool = False) -> Non
         raise ValueError(f"{path} is not a regular file ({what}); give the path of a Criteo TSV file")
     raise FileNotFoundError(f"Criteo TSV file not found: {path} ({what}; `neorec data write-criteo {path}"
                             f"{' --held-out' if held_out else ''}` writes learnable synthetic data in its layout)")
+
+
+PROCESSED_DIR_SETTING = "data.criteo.processed_dir"  # what chooses the processed copy's folder, in errors
+
+
+def processed_dir_error(folder: str | os.PathLike, where: str, reason: str, verb: str = "make") -> ValueError:
+    """The error for a processed copy's folder that cannot be used: ``where`` says what chose it
+    (the setting, or preprocess-criteo's argument), so that the user knows what to change."""
+    return ValueError(f"cannot {verb} {folder}, the folder of the processed copy ({where}): {reason}")
+
+
+def check_processed_dir(out_dir: str | os.PathLike, where: str = PROCESSED_DIR_SETTING) -> None:
+    """Raise ``processed_dir_error`` unless a processed copy can be written into ``out_dir``: an
+    existing folder in which a file can be made, or a folder that can be made (its nearest existing
+    ancestor is a folder in which a file can be made). Makes no folder and leaves no file, so that
+    it can be asked of every output before any work, and of a read-only copy that would be rebuilt
+    (the error named one of the copy's temporaries)."""
+    out_dir = Path(out_dir)
+    existing = next(p for p in (out_dir, *out_dir.parents) if os.path.lexists(p))
+    verb = "write in" if existing == out_dir else "make"
+    if not existing.is_dir():  # (a file, or a link to nothing)
+        kind = "a file, not a directory" if existing.is_file() else "not a directory"
+        raise processed_dir_error(out_dir, where, f"{existing} is {kind}")
+    probe = existing / f".neorec-write-test.{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise processed_dir_error(out_dir, where, reason if existing == out_dir else f"{reason} (in {existing})",
+                                  verb=verb) from None
+
+
+def no_rows_reason(num_lines: int, num_skipped: int) -> str:
+    """Why a TSV gave no rows, for the error that refuses it."""
+    return f"its {num_skipped:,} lines are all malformed" if num_lines else "empty"

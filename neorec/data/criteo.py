@@ -40,12 +40,13 @@ import torch
 from tqdm import tqdm
 
 from neorec.data.batch import Batch
-from neorec.data.config import CriteoConfig, check_criteo_tsv
+from neorec.data.config import (PROCESSED_DIR_SETTING, CriteoConfig, check_criteo_tsv, check_processed_dir,
+                                no_rows_reason, processed_dir_error)
 from neorec.data.criteo_tsv import (NUM_CATEGORICAL, NUM_COLUMNS, NUM_INTEGER, categorical_id,
                                     parse_chunk, write_criteo_tsv)
 from neorec.data.source import EpochOrder, batch_ranges, check_batch_args, one_table_per_feature
 from neorec.embedding.config import TableConfig
-from neorec.files import lock_file
+from neorec.files import lock_file, process_alive
 from neorec.sparse.jagged import KeyedJaggedTensor
 
 __all__ = ["CriteoSource", "CriteoArrays", "PreprocessStats", "preprocess_criteo", "load_or_preprocess",
@@ -53,7 +54,6 @@ __all__ = ["CriteoSource", "CriteoArrays", "PreprocessStats", "preprocess_criteo
            "write_criteo_tsv", "categorical_id", "NUM_COLUMNS"]
 
 FORMAT_VERSION = 1
-PROCESSED_DIR_SETTING = "data.criteo.processed_dir"  # what chooses the processed copy's folder, in errors
 META_FILE = "meta.json"
 SHUFFLE_BLOCK_ROWS = 256
 DEFAULT_CHUNK_LINES = 2048
@@ -278,39 +278,6 @@ def _writing(path: Path) -> Iterator[None]:
                       "preprocess-criteo)") from exc
 
 
-def processed_dir_error(folder: str | os.PathLike, where: str, reason: str, verb: str = "make") -> ValueError:
-    """The error for a processed copy's folder that cannot be used: ``where`` says what chose it
-    (the setting, or preprocess-criteo's argument), so that the user knows what to change."""
-    return ValueError(f"cannot {verb} {folder}, the folder of the processed copy ({where}): {reason}")
-
-
-def check_processed_dir(out_dir: str | os.PathLike, where: str = PROCESSED_DIR_SETTING) -> None:
-    """Raise ``processed_dir_error`` unless a processed copy can be written into ``out_dir``: an
-    existing folder in which a file can be made, or a folder that can be made (its nearest existing
-    ancestor is a folder in which a file can be made). Makes no folder and leaves no file, so that
-    it can be asked of every output before any work, and of a read-only copy that would be rebuilt
-    (the error named one of the copy's temporaries)."""
-    out_dir = Path(out_dir)
-    existing = next(p for p in (out_dir, *out_dir.parents) if os.path.lexists(p))
-    verb = "write in" if existing == out_dir else "make"
-    if not existing.is_dir():  # (a file, or a link to nothing)
-        kind = "a file, not a directory" if existing.is_file() else "not a directory"
-        raise processed_dir_error(out_dir, where, f"{existing} is {kind}")
-    probe = existing / f".neorec-write-test.{os.getpid()}"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o600))
-        probe.unlink()
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise processed_dir_error(out_dir, where, reason if existing == out_dir else f"{reason} (in {existing})",
-                                  verb=verb) from None
-
-
-def no_rows_reason(num_lines: int, num_skipped: int) -> str:
-    """Why a TSV gave no rows, for the error that refuses it."""
-    return f"its {num_skipped:,} lines are all malformed" if num_lines else "empty"
-
-
 def remove_empty_copy(tsv_path: str | os.PathLike, out_dir: str | os.PathLike) -> bool:
     """Remove the processed copy ``out_dir`` if it holds no rows (a TSV that is empty, or whose
     every line was skipped as malformed: training on it cannot run, so it is not kept); whether it
@@ -366,20 +333,10 @@ def remove_stale_temporaries(out_dir: str | os.PathLike) -> List[Path]:
         if match is None or match.group(1) not in OUTPUT_NAMES:
             continue
         pid = int(match.group(2))
-        if pid != os.getpid() and not _process_alive(pid):
+        if pid != os.getpid() and not process_alive(pid):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # another user's process (PermissionError), or not a pid
-        return True
-    return True
 
 
 def _notice(text: str) -> None:

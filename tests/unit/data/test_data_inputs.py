@@ -4,8 +4,8 @@ rows: said by the setting, and no processed copy left behind."""
 import pytest
 
 from neorec.data import DataConfig
-from neorec.data.config import CriteoConfig, MovieLensConfig
-from neorec.data.criteo import CriteoSource, check_processed_dir, preprocess_criteo, write_criteo_tsv
+from neorec.data.config import CriteoConfig, MovieLensConfig, check_processed_dir
+from neorec.data.criteo import CriteoSource, preprocess_criteo, write_criteo_tsv
 from tests.read_only import refuse_writes_in
 
 ROWS = 1000
