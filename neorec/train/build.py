@@ -116,10 +116,9 @@ _FEWER_BITS = ("store rows in fewer bits (embedding.storage.precision = \"fp16\"
                "embedding.location.precision for the stores of cached tables)")
 
 
-def _host_memory_message(needed: Optional[int], why: str, sharded: bool) -> str:
+def _host_memory_message(needed: Optional[int], machine: Optional[int], why: str, sharded: bool) -> str:
     from neorec.planner.enumerate import format_bytes
 
-    machine = _machine_memory_bytes()
     held = f"the embedding tables {'of this rank ' if sharded else ''}held in memory"
     amount = f" need at least {format_bytes(needed)} (rows and optimizer state)" if needed else ""
     has = f", and this machine has {format_bytes(machine)} of memory and swap" if machine else ""
@@ -146,7 +145,7 @@ def memory_named(cfg: Config, tables: Sequence, device: torch.device, sharded: b
     needed = tables_host_bytes(cfg, tables) if device.type == "cpu" and not sharded else None
     machine = _machine_memory_bytes()
     if needed and machine and needed > machine:
-        raise ValueError(_host_memory_message(needed, "the model does not fit in memory", sharded))
+        raise ValueError(_host_memory_message(needed, machine, "the model does not fit in memory", sharded))
     try:
         yield
     except (RuntimeError, MemoryError) as exc:  # (torch's OutOfMemoryError is a RuntimeError)
@@ -157,7 +156,7 @@ def memory_named(cfg: Config, tables: Sequence, device: torch.device, sharded: b
         why = f"building the model ran out of memory on {device} ({first[:300]})"
         if device.type == "cuda" and "CUDA" in first:  # (the GPU's memory, not the host's)
             raise ValueError(_device_memory_message(why)) from None
-        raise ValueError(_host_memory_message(needed, why, sharded)) from None
+        raise ValueError(_host_memory_message(needed, machine, why, sharded)) from None
 
 
 def plan_locations(cfg: Config, tables, plan) -> Optional[Dict[str, TableLocation]]:
