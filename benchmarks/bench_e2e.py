@@ -371,7 +371,7 @@ def worker(rank: int, world: int, store_path: str, c: E2EConfig, args, result_pa
                        "cpu_by_rank": cpu_by_rank,
                        "torchrec_plan": runners["torchrec"].plan,
                        "neorec_plan": str(runners["neorec"].trainer.plan)}, f)
-    del runners
+    runners.clear()  # frees the models before the group goes (run() keeps the dict)
     dist.barrier()
     dist.destroy_process_group()
 
