@@ -62,10 +62,10 @@ class SparseOptimizerConfig:
     beta1, beta2: Adam's decay rates of its first and second moment estimates.
     weight_decay: L2 penalty: weight_decay x the row is added to each touched row's gradient.
     initial_accumulator_value: the AdaGrad kinds' starting sum of squared gradients.
-    Checked on construction, as ``torch.optim`` does: finite numbers with learning_rate > 0,
-    eps, weight_decay and initial_accumulator_value >= 0, and 0 <= beta1, beta2 < 1; and eps > 0
-    where a zero gradient would otherwise give 0 / 0 (Adam; AdaGrad kinds without an initial
-    accumulator).
+    Checked on construction (``check()``), and again by a fused module before each update since the
+    settings may change between steps: finite numbers with learning_rate > 0, eps, weight_decay and
+    initial_accumulator_value >= 0, and 0 <= beta1, beta2 < 1; and eps > 0 where a zero gradient
+    would otherwise give 0 / 0 (Adam; AdaGrad kinds without an initial accumulator).
     """
 
     kind: str = "rowwise_adagrad"
@@ -77,6 +77,10 @@ class SparseOptimizerConfig:
     initial_accumulator_value: float = 0.0
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise if a setting is out of its range (see the class docstring)."""
         if self.kind not in SPARSE_OPTIMIZERS:
             raise ValueError(
                 f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {self.kind!r}"

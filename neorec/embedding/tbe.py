@@ -203,12 +203,19 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def checked_optimizer(self) -> SparseOptimizerConfig:
         """``self.optimizer`` (its learning rate, eps and weight decay may change between steps), after
-        checking that its kind is still the one the state buffers were built for: the native kernels
-        wrote through a missing state (SIGSEGV) or past a row-wise one (heap corruption)."""
+        checking that its kind is still the one the state buffers were built for (the native kernels
+        wrote through a missing state, SIGSEGV, or past a row-wise one, heap corruption) and that its
+        settings are still in range, so that every kernel refuses alike before anything changes (a
+        learning rate set to 0 between steps was refused by the Triton kernel alone, after the step
+        had been counted)."""
         if self.optimizer.kind != self._state_kind:
             raise ValueError(f"TableBatchedEmbeddingBags: optimizer.kind is now {self.optimizer.kind!r}, but the "
                              f"optimizer state was built for {self._state_kind!r}; build a new module for another "
                              "kind of optimizer (learning_rate, eps and weight_decay may change)")
+        try:
+            self.optimizer.check()
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"TableBatchedEmbeddingBags: the optimizer's settings changed since it was built: {e}") from None
         return self.optimizer
 
     def _group_states(self, group: DimGroup) -> Dict[str, torch.Tensor]:

@@ -49,6 +49,18 @@ def test_triton_dispatch_matches_torch_path(kind):
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_triton_refuses_optimizer_settings_changed_out_of_range_before_counting_the_step():
+    """A learning rate set to 0 between steps (taken by the torch and native paths then) was refused
+    inside the Triton kernel after the step had been counted; all paths now refuse it first."""
+    module = TableBatchedEmbeddingBags(TABLES, SparseOptimizerConfig("sgd"), kernel="triton", device=DEVICE)
+    features = make_features(torch.Generator().manual_seed(0), batch_size=2, weighted=False).to(DEVICE)
+    module.optimizer.learning_rate = 0.0
+    before = module.weights.clone()
+    with pytest.raises(ValueError, match="settings changed since it was built: sparse optimizer learning_rate must be > 0"):
+        module(features).values.sum().backward()
+    assert torch.equal(module.weights, before) and int(module.step) == 0
+
+
 def test_triton_dispatch_checks_ids_and_choices():
     module = TableBatchedEmbeddingBags(TABLES, SparseOptimizerConfig("sgd"), kernel="triton", device=DEVICE)
     features = make_features(torch.Generator().manual_seed(0), batch_size=2, weighted=False)

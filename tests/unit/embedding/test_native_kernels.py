@@ -413,6 +413,23 @@ def test_changing_the_optimizer_kind_of_a_built_module_is_refused(kernel, start,
     assert not torch.equal(module.weights, before)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("setting, value, message", [
+    ("learning_rate", 0.0, "learning_rate must be > 0, got 0.0"),
+    ("learning_rate", float("nan"), "learning_rate must be finite, got nan"),
+    ("weight_decay", -0.1, "weight_decay must be >= 0, got -0.1"),
+])
+def test_optimizer_settings_changed_out_of_range_are_refused_before_the_update(kernel, setting, value, message):
+    """The settings may change between steps; one out of range was taken by the torch and native
+    paths (and refused by the Triton kernel alone, after it had counted the step)."""
+    module = TableBatchedEmbeddingBags([TableConfig("t", 64, 8)], SparseOptimizerConfig("rowwise_adagrad"), kernel=kernel)
+    setattr(module.optimizer, setting, value)
+    before, state = module.weights.clone(), module.momentum1.clone()
+    with pytest.raises(ValueError, match=f"the optimizer's settings changed since it was built: sparse optimizer {message}$"):
+        module(KeyedJaggedTensor(["t"], torch.tensor([63, 3]), torch.tensor([2]))).values.sum().backward()
+    assert torch.equal(module.weights, before) and torch.equal(module.momentum1, state) and int(module.step) == 0
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_an_unvalidated_batch_whose_lengths_pass_its_values_is_refused_before_the_kernels(weighted):
     """validate=False and lengths summing past the values: the kernels read ids and weights past the
