@@ -29,6 +29,22 @@ def storage_dtype(precision: str) -> torch.dtype:
         raise ValueError(f"precision must be one of {sorted(STORAGE_DTYPES)}, got {precision!r}") from None
 
 
+def first_overflow(values: torch.Tensor, rounded: torch.Tensor) -> Optional[int]:
+    """Flat index of the first finite value of ``values`` that ``rounded`` (its copy in a narrower
+    type) holds as inf, None when there is none: a value beyond fp16's range became inf without a
+    word when fp32 rows were copied into fp16 storage."""
+    if rounded.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    overflow = torch.isinf(rounded) & torch.isfinite(values)
+    return int(overflow.reshape(-1).to(torch.uint8).argmax()) if bool(overflow.any()) else None
+
+
+def overflow_message(where: str, value: float, dtype: torch.dtype) -> str:
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return (f"{where} holds {value:.6g}, beyond the largest {name} value ({torch.finfo(dtype).max:.6g}); "
+            "refusing to store it as inf (keep this table's rows in fp32)")
+
+
 def _uniform_16_bits(shape: torch.Size, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
     """int32 tensor of ``shape`` with independent uniform values in [0, 2^16).
 

@@ -47,7 +47,7 @@ from neorec.embedding.memory import empty_huge
 from neorec.embedding.native_path import NativePath
 from neorec.embedding.path_common import PendingLookups
 from neorec.embedding.optimizers import create_state, state_views, update_rows
-from neorec.embedding.precision import Rounder, storage_dtype
+from neorec.embedding.precision import Rounder, first_overflow, overflow_message, storage_dtype
 from neorec.embedding.init_stream import TableInit
 from neorec.embedding.replicas import ReplicaGradients
 from neorec.embedding.triton_path import TritonPath
@@ -248,12 +248,17 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     def set_table_weight(self, name: str, weight: torch.Tensor) -> None:
         """Overwrite table ``name`` with ``weight`` [num_embeddings, embedding_dim] (rounded to
-        nearest when the storage is fp16/bf16)."""
+        nearest when the storage is fp16/bf16; a value that would round to inf is refused)."""
         table = self.table_view(name)
         if tuple(weight.shape) != tuple(table.shape):
             raise ValueError(f"set_table_weight({name!r}): expected shape {tuple(table.shape)}, got {tuple(weight.shape)}")
+        rounded = weight.to(table.device, table.dtype)
+        bad = first_overflow(weight, rounded)
+        if bad is not None:
+            raise ValueError(overflow_message(f"set_table_weight({name!r}): row {bad // table.shape[1]}",
+                                              float(weight.reshape(-1)[bad]), table.dtype))
         with torch.no_grad():
-            table.copy_(weight)
+            table.copy_(rounded)
 
     def get_optimizer_state(self, name: str, device: Optional[torch.device | str] = None) -> Dict[str, torch.Tensor]:
         """Copies of table ``name``'s optimizer state: {"momentum1": [rows] or [rows, dim], ...} (on
@@ -326,7 +331,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         bad = ~torch.isfinite(self.weights)
         if not bool(bad.any()):
             return None
-        element = int(bad.to(torch.uint8).argmax())  # (the first: argmax returns the first maximum)
+        return self.table_row_at(int(bad.to(torch.uint8).argmax()))  # (the first: argmax returns the first maximum)
+
+    def table_row_at(self, element: int) -> Tuple[str, int]:
+        """(table, row) holding element ``element`` of the flat weights."""
         index = max((t for t, offset in enumerate(self.table_offsets) if offset <= element),
                     key=lambda t: self.table_offsets[t])  # (the tables' blocks may lie in another order)
         return self.tables[index].name, (element - self.table_offsets[index]) // self.table_dims[index]
@@ -544,6 +552,11 @@ def _check_layout(module: TableBatchedEmbeddingBags, state_dict, prefix, local_m
         if (buffer is not None and isinstance(given, torch.Tensor) and given.is_floating_point()
                 and buffer.is_floating_point() and given.dtype != buffer.dtype):
             state_dict[prefix + name] = given.to(buffer.dtype)
+            bad = first_overflow(given, state_dict[prefix + name])
+            if bad is not None:
+                where = "load_state_dict: table {!r}, row {}".format(*module.table_row_at(bad)) \
+                    if name == "weights" else f"load_state_dict: {prefix + name}"
+                raise ValueError(overflow_message(where, float(given.reshape(-1)[bad]), buffer.dtype))
     # a state dict of another precision: fp32 rows round nothing (no generator state saved: this module
     # goes on from its own), and rounded rows' generator state has no use in an fp32 module (dropped);
     # either was a missing or unexpected key under strict loading

@@ -386,8 +386,12 @@ class Checkpointer:
         for name, directory, part in _chain_parts(path, manifest):
             entries = [dict(e, file=f, checkpoint=str(directory)) for f, es in part["pieces"].items() for e in es]
             chain.append((entries, lambda entry: files.tensors(Path(entry["checkpoint"]) / entry["file"])))
-        restore_pieces(self.pieces, chain)
-        files.close()
+        try:
+            restore_pieces(self.pieces, chain)
+        except ValueError as exc:  # (a row this run's precision cannot hold, a table not covered)
+            raise ValueError(f"--resume {path}: {exc}") from None
+        finally:
+            files.close()
         same_layout = manifest["world_size"] == self.world_size and manifest["plan"] == (
             trainer.plan.to_dict() if trainer.plan is not None else None)
         modules = fused_modules(self.sparse_arch)

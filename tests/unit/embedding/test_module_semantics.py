@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import warnings
 
 import pytest
@@ -172,6 +173,33 @@ def test_assigning_a_state_dict_of_another_precision_keeps_this_modules_types(as
     back = module(tables)
     back.load_state_dict(half.state_dict(), assign=assign)  # rounded rows into an fp32 module
     assert torch.equal(back.weights, half.weights.float()) and back.weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision, large, kept", [("fp16", 1e5, 65510.0), ("bf16", 3.4e38, 3.38e38)])
+def test_rows_beyond_the_half_precision_range_are_refused_not_stored_as_inf(precision, large, kept):
+    """fp32 rows copied into fp16 / bf16 storage (set_table_weight, load_state_dict: what a resume
+    of an fp32 checkpoint into half-precision rows runs) turned a value beyond the type's range
+    into inf without a word; the run then stopped on a NaN loss blamed on the learning rates."""
+    from neorec.embedding import StorageConfig
+
+    tables = [TableConfig("a", 10, 4), TableConfig("c", 5, 4)]
+    half = module(tables, storage=StorageConfig(precision))
+    before = half.weights.clone()
+    weight = half.get_table_weight("c")
+    weight[3, 2] = -large
+    shown = re.escape(f"-{large:.6g}")
+    with pytest.raises(ValueError, match=rf"set_table_weight\('c'\): row 3 holds {shown}, beyond the largest "
+                                         rf"{precision} value \(.*\); refusing to store it as inf"):
+        half.set_table_weight("c", weight)
+    source = module(tables, init_seed=3)
+    source.set_table_weight("c", weight)
+    for assign in (False, True):
+        with pytest.raises(ValueError, match=rf"load_state_dict: table 'c', row 3 holds {shown}, beyond"):
+            half.load_state_dict(source.state_dict(), assign=assign)
+    assert torch.equal(half.weights, before)
+    weight[3, 2] = kept  # rounds to the largest finite value: taken
+    half.set_table_weight("c", weight)
+    assert torch.isfinite(half.weights).all() and float(half.get_table_weight("c")[3, 2]) > 1e4
 
 
 def test_the_first_non_finite_row_is_named_by_table_and_row():

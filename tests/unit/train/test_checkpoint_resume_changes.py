@@ -85,6 +85,23 @@ def test_resume_an_fp32_checkpoint_into_half_precision_rows(tmp_path, precision)
         assert torch.equal(back.float(), saved.to(dtype).float()), table.name
 
 
+def test_resume_into_half_precision_rows_refuses_a_row_beyond_its_range_naming_the_checkpoint(tmp_path):
+    """A value beyond fp16's range became inf on the resume, without a word; the run then stopped on
+    a NaN loss whose message blamed the learning rates or the input features."""
+    trainer = make_trainer(tmp_path, "train.max_steps=2", *checkpoint_args(tmp_path, 2))
+    trainer.fit()
+    tbe = trainer.model.sparse_arch.tbe
+    weight = tbe.get_table_weight("t_feature_0")
+    weight[5, 1] = 1e5
+    tbe.set_table_weight("t_feature_0", weight)
+    trainer.step = 3
+    trainer.checkpointer.save()
+    with pytest.raises(ValueError, match=r"^--resume .*step-0*3: set_table_weight\('t_feature_0'\): row 5 holds "
+                                         r"100000, beyond the largest fp16 value \(65504\)"):
+        make_trainer(tmp_path, "train.max_steps=4", "embedding.storage.precision='fp16'",
+                     resume=str(tmp_path / "ckpt"), name="restored").fit()
+
+
 def test_resume_with_a_global_batch_that_does_not_divide_the_epoch_suggests_one(tmp_path):
     make_trainer(tmp_path, "train.max_steps=3", *checkpoint_args(tmp_path, 3)).fit()  # 3 x 128 samples done
     with pytest.raises(ValueError, match=r"384 samples of epoch 0 .* global batches of 256 .*; e.g. "
