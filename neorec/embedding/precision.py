@@ -162,7 +162,11 @@ class Rounder:
     def set_state(self, state: torch.Tensor) -> bool:
         """Restore a state from ``get_state`` (empty: start again from the seed). False, and nothing
         restored, for the state of another kind of device's generator (a CPU generator's state is
-        5056 bytes, a CUDA one's 16: a checkpoint saved on a GPU resumed on the CPU, or back)."""
+        5056 bytes, a CUDA one's 16: a checkpoint saved on a GPU resumed on the CPU, or back). A
+        Rounder that has not made its generator yet (its device is not known before its first use)
+        keeps the state and returns True; its first generator takes it only if it is of that
+        device's kind, else starts from the seed (a fused module makes its generator when built,
+        so a checkpoint's restore always gets the answer above)."""
         state = state.detach().to("cpu", torch.uint8)
         if state.numel() == 0:
             self._generator, self._pending_state = None, None
