@@ -331,14 +331,37 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"neorec {args.command}: {exc} received; stopped{ranks}", file=sys.stderr)
         return 128 + exc.signum
     except Exception as exc:  # not foreseen (or a peer rank died): one line and how to see more
-        message = " ".join(str(exc).split())  # one line, whatever the exception's text holds
-        if show_traceback:
-            traceback.print_exc()
-            print(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message}", file=sys.stderr)
-            return EXIT_FAILED
-        _say_error(f"neorec {args.command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
-                   f"`neorec --traceback {args.command} ...` shows where it happened)", exc)
+        return _say_unexpected(args.command, where, exc, show_traceback)
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _peer_went_away(exc: BaseException) -> bool:
+    """A collective failed because another rank's process ended (gloo's "Connection closed by
+    peer"): in a rank of ``--nproc N`` that rank's own error says why."""
+    distributed = sys.modules.get("torch.distributed")
+    network_error = getattr(distributed, "DistNetworkError", None)
+    return (network_error is not None and isinstance(exc, network_error)) or any(s in str(exc) for s in _PEER_GONE)
+
+
+def _say_unexpected(command: str, where: str, exc: Exception, show_traceback: bool) -> int:
+    """An error not foreseen: one line and how to see more. In a rank, a collective that failed
+    because another rank ended is said as relayed (only when no rank says its own error: it was
+    said first, as "unexpected", beside the failed rank's real reason)."""
+    message = " ".join(str(exc).split())  # one line, whatever the exception's text holds
+    if show_traceback:
+        traceback.print_exc()
+        print(f"neorec {command}{where}: error: {type(exc).__name__}: {message}", file=sys.stderr)
         return EXIT_FAILED
+    if where and _peer_went_away(exc):
+        try:
+            exc.relayed = True
+        except AttributeError:  # (an exception type without a __dict__)
+            pass
+    _say_error(f"neorec {command}{where}: error: {type(exc).__name__}: {message} (unexpected; "
+               f"`neorec --traceback {command} ...` shows where it happened)", exc)
+    return EXIT_FAILED
 
 
 def _say_error(line: str, exc: BaseException) -> None:

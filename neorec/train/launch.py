@@ -143,10 +143,11 @@ def error_file(relayed: bool = False) -> Optional[Path]:
     return Path(folder) / f"rank{os.environ.get('RANK', '0')}{'.relayed' if relayed else ''}"
 
 
-def _say_rank_errors(folder: Path, nproc: int) -> None:
+def _say_rank_errors(folder: Path, nproc: int, first: int = 0) -> None:
     """Each distinct error line of the ranks (``error_file``) once, with the ranks that said it: N
     ranks refusing the same input said it N times. Lines relaying another rank's error only when
-    that rank's own line is missing (stopped before it said it)."""
+    that rank's own line is missing (stopped before it said it). The line of rank ``first`` (the
+    rank that failed first) comes first."""
     said: dict = {}
     for suffix in ("", ".relayed"):
         for rank in range(nproc):
@@ -158,7 +159,7 @@ def _say_rank_errors(folder: Path, nproc: int) -> None:
                 said.setdefault(line, []).append(rank)
         if said:
             break
-    for line, ranks in said.items():
+    for line, ranks in sorted(said.items(), key=lambda item: first not in item[1]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         print(line.replace("{RANKS}", who), file=sys.stderr, flush=True)
 
@@ -183,7 +184,7 @@ def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) ->
             if failed:
                 rank, code = failed[0]
                 _stop(processes)
-                _say_rank_errors(errors, nproc)
+                _say_rank_errors(errors, nproc, first=rank)
                 print(f"neorec: rank {rank} of {nproc} {_how_it_ended(code)}; stopped the other ranks",
                       file=sys.stderr, flush=True)
                 return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell says

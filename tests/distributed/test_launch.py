@@ -80,6 +80,20 @@ def test_a_relayed_error_is_said_when_the_rank_it_relays_was_stopped_before_sayi
     assert err.startswith("neorec train (rank 1): error: rank 0 could not plan: the table does not fit\n"), err
 
 
+@pytest.mark.parametrize("mode", ["peer", "other"])
+def test_the_rank_that_failed_first_is_said_first_and_a_peer_gone_error_only_as_a_relay(mode, monkeypatch, capsys):
+    """Rank 1 failed on a bad id; rank 0's collective then failed with gloo's "Connection closed by
+    peer", said first, as "unexpected", above rank 1's real reason."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PEER_ERROR_MODE", mode)
+    assert launch_local(2, [], module="peer_error_rank") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neorec train (rank 1): error: feature 'f' (table 't'): id 1000 is outside"), err
+    assert ("Connection closed by peer" in err) is False and ("a slow disk" in err) is (mode == "other"), err
+    assert err.rstrip("\n").endswith("neorec: rank 1 of 2 exited with code 2; stopped the other ranks"), err
+
+
 def test_a_real_refusal_in_every_rank_is_said_once_and_leaves_no_folder(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
