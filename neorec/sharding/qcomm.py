@@ -85,6 +85,17 @@ class CommConfig:
         return self.forward != "fp32" or self.backward != "fp32"
 
 
+def _bytes_of(values: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``values`` in row-major order, as uint8 (a view where they lie contiguous). A
+    one-value block cut from a strided column (output_dist's model-parallel columns of width 1 next
+    to replica columns) keeps its stride through ``.to()`` and ``.contiguous()``, and
+    ``view(torch.uint8)`` refused it: the exchange of a one-sample batch failed."""
+    flat = values.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
 class Codec:
     """Encodes fp32 blocks [rows, dim] to uint8 bytes and back."""
 
@@ -95,7 +106,7 @@ class Codec:
 
     def encode(self, block: torch.Tensor) -> torch.Tensor:
         """[rows, dim] float -> uint8 [num_bytes(rows, dim)]."""
-        return block.to(torch.float32).contiguous().reshape(-1).view(torch.uint8)
+        return _bytes_of(block.to(torch.float32))
 
     def decode(self, payload: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
         """uint8 [num_bytes(rows, dim)] -> fp32 [rows, dim]."""
@@ -137,7 +148,7 @@ class BFloat16Codec(Codec):
         return 2 * rows * dim
 
     def encode(self, block: torch.Tensor) -> torch.Tensor:
-        return block.to(torch.bfloat16).contiguous().reshape(-1).view(torch.uint8)
+        return _bytes_of(block.to(torch.bfloat16))
 
     def decode(self, payload: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
         return payload.view(torch.bfloat16).to(torch.float32).view(rows, dim)

@@ -178,6 +178,22 @@ def test_blocks_round_trip_with_empty_blocks_and_sizes(name):
     assert torch.equal(again, payload)  # deterministic
 
 
+@pytest.mark.parametrize("name", CODECS)
+def test_blocks_cut_from_a_strided_column_encode_one_value_blocks_too(name):
+    """What output_dist hands the codecs when a rank's model-parallel output is 1 column wide beside
+    replica columns: pooled[:, :1].reshape(-1), a strided view; its one-value blocks (a rank with
+    one sample) kept their stride, and the fp32 and bf16 codecs' view(torch.uint8) refused them."""
+    codec = make_codec(name)
+    pooled = torch.randn(4, 3)
+    flat = pooled[:, :1].reshape(-1)
+    shapes = [(1, 1), (3, 1)]
+    payload, _ = encode_blocks(codec, flat, shapes)
+    expected, _ = encode_blocks(codec, flat.contiguous(), shapes)
+    assert torch.equal(payload, expected)
+    tolerance = {"fp32": 0.0, "fp16": 1e-3, "bf16": 1e-2, "int8": 0.05}[name]
+    torch.testing.assert_close(decode_blocks(codec, payload, shapes), flat, atol=tolerance * flat.abs().max(), rtol=0.0)
+
+
 def test_encoded_sizes_against_fp32():
     rows, dim = 128, 16
     fp32 = make_codec("fp32").num_bytes(rows, dim)
