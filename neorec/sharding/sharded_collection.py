@@ -31,6 +31,7 @@ the device (each rank would hold a whole replica in its store).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -124,6 +125,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                               init_seed=init_seed, **options)
         self._modules["tbe"] = fused  # read through the ``tbe`` property (add_module refuses its name)
         self._modules["cached"] = cached
+        # which rows and columns of which table this rank's pieces hold, saved by state_dict() and
+        # checked by load_state_dict() before any buffer is copied: another plan's pieces can have
+        # this rank's piece names and shapes and hold other rows (they were loaded without a word)
+        self.register_buffer("shard_layout", _json_bytes(self._shard_layout()).to(self.device))
+        self._register_load_state_dict_pre_hook(_check_shard_layout, with_module=True)
         self._placement = OutputPlacement(self.routing, self.device)
         self._launched = None  # (values, lengths, awaitable) of an id exchange launched ahead
         self.timeline = None  # a StepTimeline while profiling (neorec/train/timeline.py)
@@ -330,6 +336,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             dist.all_reduce(full, group=self.process_group)
         return full
 
+    def _shard_layout(self) -> List[List]:
+        """[table, rows [start, end), columns [start, end)] of each piece on this rank, in the fused
+        module's order, then [table, "replica"] of each data-parallel table."""
+        pieces = [[p.table.name, [p.shard.row_start, p.shard.row_end], [p.shard.col_start, p.shard.col_end]]
+                  for p in self.routing.shards_on[self.rank]]
+        return pieces + [[t.name, "replica"] for t in self.routing.replicas]
+
     def _table(self, name: str) -> TableConfig:
         for table in self.tables:
             if table.name == name:
@@ -341,6 +354,29 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for name, entry in self.plan.tables.items():
             kinds[entry.sharding_type.value] = kinds.get(entry.sharding_type.value, 0) + 1
         return f"rank={self.rank}/{self.world_size}, tables by type={kinds}"
+
+
+def _json_bytes(value) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).clone()
+
+
+def _check_shard_layout(module: ShardedEmbeddingBagCollection, state_dict, prefix, local_metadata, strict,
+                        missing_keys, unexpected_keys, error_msgs) -> None:
+    """load_state_dict's check that the state dict's pieces hold the rows and columns this rank's
+    hold (a state dict saved before the layout was recorded is taken as it is)."""
+    key = prefix + "shard_layout"
+    if key not in state_dict:
+        state_dict[key] = module.shard_layout
+        return
+    try:
+        saved = json.loads(bytes(state_dict[key].cpu().tolist()).decode())
+    except (ValueError, TypeError, AttributeError):
+        saved = None
+    if saved != module._shard_layout():
+        raise ValueError(f"load_state_dict: the state dict's pieces on rank {module.rank} hold {saved} (table, rows, "
+                         f"columns), this collection's {module._shard_layout()}: it was saved under another sharding "
+                         "plan, and its rows would land in other places (neorec train's checkpoints reshard; or "
+                         "move each table with full_table_weight / load_table_weight)")
 
 
 def _merged(spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:

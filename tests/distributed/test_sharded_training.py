@@ -45,3 +45,15 @@ def test_column_pieces_with_rowwise_adagrad_differ_from_the_unsharded_model(outc
     _, results = outcomes
     name = workers.case_name(*DEVIATION)
     assert all(result[name] != "ok" for result in results)
+
+
+def test_a_state_dict_of_another_plan_is_refused_before_any_row_moves(tmp_path):
+    """Pieces with this rank's names and shapes holding other rows (a row-wise table's halves and a
+    column-wise table's halves swapped between the ranks): load_state_dict took them, and the
+    tables came out with rows 0-2 at rows 3-5 and their columns swapped."""
+    results = run_ranks(workers.state_dict_across_plans, 2, tmp_path)
+    for rank, result in enumerate(results):
+        assert result["same"] == "True", (rank, result)
+        assert result["other"].startswith(f"load_state_dict: the state dict's pieces on rank {rank} hold "), (rank, result)
+        assert "saved under another sharding plan" in result["other"], (rank, result)
+        assert result["other unchanged"] == "True", (rank, result)

@@ -235,3 +235,36 @@ def ranks_per_node(rank: int, world: int, group, local_world_sizes: List[int]) -
         return str(_ranks_per_node(context))
     except ValueError as exc:
         return f"raised: {exc}"
+
+
+def state_dict_across_plans(rank: int, world: int, group) -> Dict[str, str]:
+    """A sharded collection's state dict loaded under its own plan (rows equal) and under a plan
+    whose pieces have the same names and shapes on each rank but hold other rows / columns (was
+    accepted, the rows landing in other places)."""
+    from neorec.embedding import EmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+    from neorec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
+    from neorec.sharding.sharder import shard_collection
+
+    tables = [TableConfig("t", 6, 4, ["f"]), TableConfig("u", 3, 4, ["g"])]
+
+    def plan(swap: bool) -> ShardingPlan:
+        a, b = (1, 0) if swap else (0, 1)
+        return ShardingPlan({"t": TablePlan(ShardingType.ROW_WISE, [Shard(a, 0, 3, 0, 4), Shard(b, 3, 6, 0, 4)]),
+                             "u": TablePlan(ShardingType.COLUMN_WISE, [Shard(a, 0, 3, 0, 2), Shard(b, 0, 3, 2, 4)])}, 2)
+
+    def collection(seed: int, swap: bool):
+        return shard_collection(EmbeddingBagCollection(tables, SparseOptimizerConfig("sgd"), init_seed=seed),
+                                plan(swap), group)
+
+    saved = collection(1, False)
+    same, other = collection(2, False), collection(2, True)
+    before = {name: other.full_table_weight(name) for name in ("t", "u")}
+    same.load_state_dict(saved.state_dict())
+    out = {"same": str(all(torch.equal(same.full_table_weight(n), saved.full_table_weight(n)) for n in ("t", "u")))}
+    try:
+        other.load_state_dict(saved.state_dict())
+        out["other"] = "accepted"
+    except ValueError as exc:
+        out["other"] = str(exc)
+    out["other unchanged"] = str(all(torch.equal(other.full_table_weight(n), before[n]) for n in ("t", "u")))
+    return out
