@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "results are the same bit for bit either way)")
     train.add_argument("--profile", action="store_true",
                        help="time each step's phases (data loading, input dist, lookup, dense forward, "
-                       "output dist, backward, optimizer, exposed communication); print the table and "
-                       "write OUTPUT_DIR/timeline.json (same as --set train.profile=true)")
+                       "output dist, backward, optimizer, checkpoint saves, other, exposed communication); print "
+                       "the table and write OUTPUT_DIR/timeline.json (same as --set train.profile=true)")
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train on N local processes (sharded embeddings, data-parallel MLPs; "
                        "data.batch_size is per process); under torchrun the world comes from torchrun")

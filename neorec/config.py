@@ -140,7 +140,8 @@ class TrainConfig:
     output_dir: where metrics.jsonl and the resolved config are written ("" = neither is written).
     seed: seeds the model init and the dense RNG (the data has its own seed).
     device: "cpu", "cuda" or "auto".
-    num_threads: torch intra-op threads (0 = torch's default).
+    num_threads: torch intra-op threads (0 = torch's default in one process; in a rank of
+        several, OMP_NUM_THREADS when set, else an even share of the usable CPUs per local rank).
     progress: show a progress bar.
     pipeline: overlap the next batch's loading, input all-to-all and cache prefetch with the
         current step (``neorec/train/pipeline.py``; same results bit for bit); false = plain loop.
