@@ -127,6 +127,8 @@ def select_features(layout: TableLayout, features: KeyedJaggedTensor) -> KeyedJa
 
 def prepare_lookups(layout: TableLayout, features: KeyedJaggedTensor, device: torch.device) -> List[GroupLookup]:
     """Split ``features`` by dim group; validate the ids; shift them to group rows."""
+    if isinstance(features, KeyedJaggedTensor) and features.keys() != layout.internal_keys:
+        check_lookup_input(features)  # before dropping keys: their bad lengths would shift the kept ids
     features = select_features(layout, features)
     if features.values.device != device:
         raise ValueError(f"KeyedJaggedTensor is on {features.values.device}, the embedding tables on {device}")

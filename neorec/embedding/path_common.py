@@ -26,6 +26,7 @@ def features_in_order(features: KeyedJaggedTensor, feature_names: List[str], dev
         raise TypeError(f"expected a KeyedJaggedTensor, got {type(features).__name__}")
     keys = features.keys()
     if keys != feature_names:
+        check_lookup_input(features)  # the whole KJT: a dropped key's bad lengths shift the kept keys' ids
         missing = [k for k in feature_names if k not in keys]
         if missing:
             raise ValueError(f"KeyedJaggedTensor lacks features {missing}; expected all of {feature_names}")
@@ -40,9 +41,10 @@ def check_lookup_input(features: KeyedJaggedTensor, check_sum: bool = True) -> N
     """What every lookup path checks of a KeyedJaggedTensor, also one built with validate=False: no
     negative length and lengths that add up to its values (torch's repeat_interleave, which the torch
     ops paths and the sharded input use, writes past its output for a negative repeat before it
-    checks it: the heap was corrupted and the process aborted), and no per-value weights that
-    require grad while grad is enabled (no path differentiates with respect to them: their
-    gradient would silently stay None). The lengths are checked on the CPU only (on a GPU the check
+    checks it: the heap was corrupted and the process aborted), as many per-value weights as values
+    (the torch path ignored extra ones or failed on an index), and no weights that require grad
+    while grad is enabled (no path differentiates with respect to them: their gradient would
+    silently stay None). The lengths are checked on the CPU only (on a GPU the check
     would wait for the device at every lookup, and its kernels refuse a negative repeat themselves),
     in ~10 us for 26 features x 2048 samples: their minimum, and their sum from the per-key counts
     that the lookups use anyway (``check_sum`` False: the caller checks it)."""
@@ -54,6 +56,8 @@ def check_lookup_input(features: KeyedJaggedTensor, check_sum: bool = True) -> N
         if total != features.values.numel():
             raise ValueError(f"KeyedJaggedTensor: its lengths sum to {total} but it holds {features.values.numel()} "
                              "values (build it with validate=True to find the feature)")
+    if features.weights is not None and features.weights.numel() != features.values.numel():
+        raise ValueError(f"KeyedJaggedTensor: {features.weights.numel()} weights for {features.values.numel()} values")
     if features.weights is not None and features.weights.requires_grad and torch.is_grad_enabled():
         raise ValueError("KeyedJaggedTensor weights require grad, but the fused embedding lookup does not "
                          "differentiate with respect to per-value weights; pass weights.detach()")

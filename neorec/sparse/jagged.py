@@ -11,6 +11,7 @@ sample ``b``. Optional per-value ``weights`` ride along with ``values``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -233,7 +234,10 @@ class KeyedJaggedTensor:
         """Reorder (or drop) keys: the result's key ``i`` is this key ``order[i]``; no index may
         repeat (keys are unique)."""
         n = len(self._keys)
-        order = list(order)
+        try:  # (0-d tensors hash by identity: a repeat among them was not seen)
+            order = [operator.index(i) for i in order]
+        except TypeError:
+            raise TypeError(f"KeyedJaggedTensor.permute: order must hold integers, got {list(order)}") from None
         for i in order:
             if not 0 <= i < n:
                 raise ValueError(f"KeyedJaggedTensor.permute: index {i} outside 0..{n - 1}")

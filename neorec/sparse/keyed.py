@@ -21,6 +21,10 @@ class KeyedTensor:
         self.length_per_key: List[int] = [int(n) for n in length_per_key]
         if len(self.keys) != len(self.length_per_key):
             raise ValueError(f"KeyedTensor: {len(self.keys)} keys but {len(self.length_per_key)} lengths")
+        if any(n < 0 for n in self.length_per_key):
+            raise ValueError(f"KeyedTensor: widths must be >= 0, got {self.length_per_key}")
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"KeyedTensor: duplicate keys {sorted({k for k in self.keys if self.keys.count(k) > 1})}")
         self._blocks: Optional[ColumnBlocks] = None
         self._values: Optional[torch.Tensor] = None
         if isinstance(values, ColumnBlocks):

@@ -484,6 +484,25 @@ def test_a_runs_header_says_which_kernel_serves_the_tables_and_why_auto_fell_bac
     assert kernel_summary(TableBatchedEmbeddingBags(tables, SparseOptimizerConfig("sgd"), kernel="torch")) == "torch"
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_an_unvalidated_batch_is_checked_whole_before_its_keys_are_selected(kernel):
+    """Keys a superset or a permutation of the features: the check ran on the selected keys only,
+    where the lengths add up again. A dropped key saying 0 ids while holding one shifted the kept
+    key's ids (row 7 pooled for id 3); a negative length in it passed; a surplus id was dropped."""
+    module = TableBatchedEmbeddingBags([TableConfig("t", 10, 4, feature_names=["a", "b"])], SparseOptimizerConfig("sgd"),
+                                       kernel=kernel)
+    cases = [(["extra", "a", "b"], [7, 3, 4], [0, 1, 1], "its lengths sum to 2 but it holds 3 values"),
+             (["extra", "a", "b"], [3, 4, 5], [-1, 1, 1, 1, 1, 0], "a negative length"),
+             (["b", "a"], [3, 4, 5], [1, 1], "its lengths sum to 2 but it holds 3 values")]
+    for keys, values, lengths, message in cases:
+        kjt = KeyedJaggedTensor(keys, torch.tensor(values), torch.tensor(lengths), validate=False)
+        with pytest.raises(ValueError, match=f"KeyedJaggedTensor: {message}"):
+            module(kjt)
+    weighted = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 4]), torch.tensor([1, 1]), torch.ones(3), validate=False)
+    with pytest.raises(ValueError, match="KeyedJaggedTensor: 3 weights for 2 values"):  # the torch path ignored one
+        module(weighted)
+
+
 @pytest.mark.parametrize("path", ["torch", "cached", "sharded"])
 def test_a_negative_length_is_refused_on_every_path_before_torch_ops_read_it(path, tmp_path):
     """validate=False, lengths that add up but one negative: torch's repeat_interleave (the torch ops

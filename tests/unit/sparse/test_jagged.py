@@ -113,6 +113,12 @@ def test_permute_and_select_keys_refuse_repeated_keys():
     with pytest.raises(ValueError, match=r"select_keys: keys \['a'\] asked for more than once"):
         kjt.select_keys(["a", "a"])
     assert kjt.permute(iter([1])).keys() == ["b"]  # any iterable of indices
+    # a tensor of indices: its 0-d elements hash by identity, so the repeat was not seen
+    with pytest.raises(ValueError, match=r"permute: order \[0, 0\] repeats indices \[0\]"):
+        kjt.permute(torch.tensor([0, 0]))
+    assert kjt.permute(torch.tensor([1, 0])).keys() == ["b", "a"]
+    with pytest.raises(TypeError, match=r"permute: order must hold integers, got \[0.5\]"):
+        kjt.permute([0.5])
 
 
 def test_from_dict_refuses_a_conflicting_batch_size():
@@ -175,6 +181,15 @@ def test_negative_batch_size_is_refused():
         KeyedJaggedTensor([], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), batch_size=-1)
     with pytest.raises(ValueError, match="batch_size must be >= 0, got -2"):
         KeyedJaggedTensor.empty(-2)
+
+
+def test_keyed_tensor_refuses_negative_widths_and_repeated_keys():
+    """[3, -1] over 2 columns passed (the widths add up): kt["x"] had 2 columns where 3 were said;
+    a repeated key kept one of the two in to_dict()."""
+    with pytest.raises(ValueError, match=r"KeyedTensor: widths must be >= 0, got \[3, -1\]"):
+        KeyedTensor(["x", "y"], [3, -1], torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"KeyedTensor: duplicate keys \['x'\]"):
+        KeyedTensor(["x", "x"], [1, 1], torch.zeros(2, 2))
 
 
 def test_keyed_tensor_missing_key_is_a_key_error():
