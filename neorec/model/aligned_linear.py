@@ -33,11 +33,33 @@ def _padded(tensor: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class _AlignedLinearFunction(torch.autograd.Function):
+    """In the form torch.func's transforms (grad, vmap, jacrev) and forward-mode AD take, as they
+    take ``nn.Linear`` (they refused the old form: "must override the setup_context staticmethod")."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+    def forward(x, weight, bias):  # type: ignore[override]
         return torch.addmm(bias, x, weight.t()) if bias is not None else x.mm(weight.t())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def jvp(ctx, x_tangent, weight_tangent, bias_tangent):
+        x, weight = ctx.saved_tensors
+        out = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        if x_tangent is not None:
+            out = out + x_tangent.mm(weight.t())
+        if weight_tangent is not None:
+            out = out + x.mm(weight_tangent.t())
+        if bias_tangent is not None:
+            out = out + bias_tangent
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
