@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 from neorec.planner.cost_model import Cost, Memory, PlanSettings, TableSpec, collective_latencies
 from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, enumerate_options
@@ -127,16 +127,26 @@ def table_plan(table: TableSpec, placement: Placement) -> TablePlan:
 
 
 def _preference(settings: PlanSettings):
-    """Sort key of an option: earlier precision in the user's list first, then earlier tier."""
+    """Sort key of an option: earlier tier in the user's list first, then earlier precision: the
+    order ``_levels`` relaxes them in (every precision on a tier before the next tier). With the
+    precision first, a table planned alone took fp16 on the device while fp32 in a cache was
+    "preferred", and next to a table that needed the cache it moved there."""
     precisions, tiers = list(settings.precisions), list(settings.tiers)
-    return lambda o: (precisions.index(o.precision), tiers.index(o.tier))
+    return lambda o: (tiers.index(o.tier), precisions.index(o.precision))
 
 
-def _levels(settings: PlanSettings) -> List[PlanSettings]:
+def _levels(settings: PlanSettings) -> List[Tuple[PlanSettings, Callable[[ShardOption], bool]]]:
+    """The relaxation steps, each (settings to enumerate options with, which of them it allows):
+    the options of the first k (tier, precision) pairs in ``_preference``'s order, so that every
+    level holds all options more preferred than any it allows (a level of two tiers at fp32 only
+    left out fp16 on the device, more preferred than fp32 in a cache)."""
     levels = []
-    for t in range(1, len(settings.tiers) + 1):
-        for p in range(1, len(settings.precisions) + 1):
-            levels.append(dataclasses.replace(settings, tiers=settings.tiers[:t], precisions=settings.precisions[:p]))
+    tiers, precisions = list(settings.tiers), list(settings.precisions)
+    for t in range(1, len(tiers) + 1):
+        for p in range(1, len(precisions) + 1):
+            level = dataclasses.replace(settings, tiers=tuple(tiers[:t]),
+                                        precisions=tuple(precisions[: len(precisions) if t > 1 else p]))
+            levels.append((level, lambda o, t=t, p=p: tiers.index(o.tier) < t - 1 or precisions.index(o.precision) < p))
     return levels
 
 
@@ -159,11 +169,11 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
         raise ValueError(f"planner: duplicate table names {sorted({n for n in names if names.count(n) > 1})}")
     error: InfeasiblePlanError | None = None
     budget = [time_limit]  # search seconds left, spent by each partition
-    for level in _levels(settings):
+    for level, allows in _levels(settings):
         capacity = Capacity.of(topology, level)
         try:
-            options: Dict[str, List[ShardOption]] = {t.name: enumerate_options(t, topology, level, capacity)
-                                                      for t in tables}
+            options: Dict[str, List[ShardOption]] = {t.name: _allowed(t, enumerate_options(t, topology, level, capacity),
+                                                                      allows) for t in tables}
             result = _partition(options, topology, capacity, budget, max_rounds, _preference(settings))
         except InfeasiblePlanError as exc:
             error = exc
@@ -175,6 +185,13 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, settings: PlanS
         return PlanResult(plan, result.placements, result, topology, level, list(tables))
     assert error is not None
     raise error
+
+
+def _allowed(table: TableSpec, options: List[ShardOption], allows: Callable[[ShardOption], bool]) -> List[ShardOption]:
+    kept = [o for o in options if allows(o)]
+    if not kept:  # (options of the level's last tier at a precision it does not allow yet)
+        raise InfeasiblePlanError(f"table {table.name!r}: no option at this level of tiers and precisions")
+    return kept
 
 
 def _partition(options: Dict[str, List[ShardOption]], topology: Topology, capacity: Capacity, budget: List[float],
@@ -196,13 +213,17 @@ def _fewer_collectives_if_faster(result: PartitionResult, options: Dict[str, Lis
     """The partition balances the pieces' work; the collectives' fixed latency is paid once per step
     for all tables (three all-to-alls when any table is model-parallel, one all-reduce when any is
     replicated), so a plan mixing both pays both. When it does, partition again with replicas only
-    and without them, and keep whichever is fastest with its latency (the first on ties)."""
+    and without them, each table limited to options at least as preferred as its own in the mixed
+    plan (a lower precision or a further tier is a fallback for memory, not a way to save a
+    collective's latency), and keep whichever is fastest with its latency (the first on ties)."""
     kinds = {p.option.sharding_type for p in result.placements.values()}
     if ShardingType.DATA_PARALLEL not in kinds or kinds == {ShardingType.DATA_PARALLEL} or topology.world_size == 1:
         return result
     best, best_seconds = result, _with_latency(result, topology)
+    own = {name: preference(p.option) for name, p in result.placements.items()}
     for replicated in (False, True):
-        allowed = {name: [o for o in opts if (o.sharding_type == ShardingType.DATA_PARALLEL) == replicated]
+        allowed = {name: [o for o in opts if (o.sharding_type == ShardingType.DATA_PARALLEL) == replicated
+                          and preference(o) <= own[name]]
                    for name, opts in options.items()}
         if not all(allowed.values()):
             continue
