@@ -195,8 +195,17 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
                 plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), args.nproc, tiers=TIERS)
             except ValueError as exc:
                 raise ValueError(f"{exc} ({args.plan})") from None
+            problem = plan.gpu_training_problem() if _trains_on_cuda(cfg.train.device) else None
+            if problem is not None:
+                raise ValueError(f"sharding plan {args.plan} on GPUs: {problem}")
         if args.resume:
             check_resume_before_launch(Path(args.resume), cfg, source, args.nproc)
+
+
+def _trains_on_cuda(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def check_gpus_for_ranks(device: str, nproc: int) -> None:

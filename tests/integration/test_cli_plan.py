@@ -153,6 +153,8 @@ def test_plan_file_keeps_the_tier_that_training_places(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     plan = ShardingPlan.load(out)
     assert {e.tier for e in plan.tables.values()} == {"dram"}
+    # a GPU topology: every rank's GPU would hold no table (each rank failed after launch)
+    assert 'note: neorec train on GPUs refuses this plan: rank(s) 0, 1 hold only "dram"' in capsys.readouterr().out
     tables = [TableConfig("a", 1000, 16), TableConfig("b", 500, 8)]
     assert plan.validate(tables, 2) is plan and plan.tiers_off_device() == {"a": "dram", "b": "dram"}
     with pytest.raises(ValueError, match="cannot place.*--tiers device"):  # a caller of the device only

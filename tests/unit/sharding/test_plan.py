@@ -281,3 +281,29 @@ def test_a_cached_tier_takes_the_plans_precision_into_its_store():
     assert (locations["a"].kind, locations["a"].precision) == ("cached_dram", "fp16")
     assert (locations["b"].kind, locations["b"].precision) == ("dram", "int8")  # the config's (unused by dram)
     assert locations["c"].kind == "device"
+
+
+def test_a_plan_with_ranks_of_dram_pieces_only_is_said_unfit_for_gpus(monkeypatch):
+    """On a GPU such a rank's fused module holds no table: every rank was refused after launch
+    (CachedEmbeddingBagCollection's "every table ... is placed in "dram""); the launcher says it."""
+    import argparse
+
+    from neorec.config import load_config
+    from neorec.train import cli as train_cli
+
+    rows = [500, 1000, 2000, 300]  # configs/tiny.toml's tables, dim 8
+    dram = ShardingPlan({f"t_feature_{i}": TablePlan(ShardingType.TABLE_WISE, [Shard(i % 2, 0, n, 0, 8)], tier="dram")
+                         for i, n in enumerate(rows)}, 2)
+    assert dram.gpu_training_problem().startswith('rank(s) 0, 1 hold only "dram" (host memory) pieces')
+    mixed = ShardingPlan({**dram.tables, "t_feature_3": TablePlan(ShardingType.TABLE_WISE, [Shard(1, 0, 300, 0, 8)])}, 2)
+    assert mixed.gpu_training_problem().startswith('rank(s) 0 hold only "dram"')  # rank 1 has a device table
+    replica = ShardingPlan({**dram.tables, "t_feature_3": TablePlan(ShardingType.DATA_PARALLEL, [])}, 2)
+    assert replica.gpu_training_problem() is None  # every rank holds the replica on its device
+    cfg = load_config("configs/tiny.toml")
+    args = argparse.Namespace(resume=None, nproc=2, plan="dram.json")
+    cfg.train.device = "cuda"
+    monkeypatch.setattr(train_cli, "check_gpus_for_ranks", lambda device, nproc: None)  # (no GPU here)
+    with pytest.raises(ValueError, match=r'sharding plan dram.json on GPUs: rank\(s\) 0, 1 hold only "dram"'):
+        train_cli._check_before_launch(cfg, dram, args)
+    cfg.train.device = "cpu"
+    train_cli._check_before_launch(cfg, dram, args)  # host memory is the device: nothing to refuse
