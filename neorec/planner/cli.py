@@ -169,6 +169,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         problem = result.plan.training_precision_problem()
         if problem is not None:  # (a plan to read, which neorec train would refuse with this)
             print(f"note: neorec train refuses this plan: {problem.removeprefix('sharding plan: ')}")
+        if topo.world_size == 1:  # (neorec train --plan refused it: "--plan needs several processes")
+            print("note: neorec train takes no plan on one process (--plan needs --nproc 2 or more, or torchrun): "
+                  "this plan of one rank is for reading")
         problem = result.plan.gpu_training_problem() if not topo.unified_memory else None
         if problem is not None:
             print(f"note: neorec train on GPUs refuses this plan: {problem}")

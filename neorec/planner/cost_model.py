@@ -196,16 +196,20 @@ class Cost:
 
 @dataclass
 class Memory:
-    """Bytes held on one rank, by tier (host and SSD are that rank's share of its node's)."""
+    """Bytes held on one rank, by tier (host and SSD are that rank's share of its node's).
+    ``step_buffers``: the part of ``device`` that is a step's ids and pooled outputs (double
+    buffered), which grows with the batch per rank and the number of ranks, not with the rows."""
 
     device: float = 0.0
     host: float = 0.0
     ssd: float = 0.0
+    step_buffers: float = 0.0
 
     def add(self, other: "Memory", scale: float = 1.0) -> None:
         self.device += scale * other.device
         self.host += scale * other.host
         self.ssd += scale * other.ssd
+        self.step_buffers += scale * other.step_buffers
 
 
 def store_record_bytes(precision: str, cols: int, optimizer: str, counts: bool) -> int:
@@ -359,5 +363,6 @@ def piece_cost(table: TableSpec, kind: ShardingType, num_pieces: int, tier: str,
     if kind == ShardingType.DATA_PARALLEL:
         memory.device += grad_bytes  # the gradient buffer all-reduced every step, kept between steps
     else:
-        memory.device += 2 * ((ids + glob) * ID_BYTES + glob * piece_cols * 4)  # double-buffered ids+lengths, outputs
+        memory.step_buffers = 2 * ((ids + glob) * ID_BYTES + glob * piece_cols * 4)  # double-buffered ids+lengths, outputs
+        memory.device += memory.step_buffers
     return cost, memory

@@ -65,8 +65,18 @@ class Capacity:
                                 (memory.host, self.host, "host DRAM share"), (memory.ssd, self.ssd, "SSD share")):
             ratio = need / cap if cap > 0 else (float("inf") if need > 0 else 0.0)
             if ratio > worst[0]:
-                worst = (ratio, memory_limit(what, need, cap))
+                worst = (ratio, memory_limit(what, need, cap) + (step_buffers_note(memory.step_buffers, need)
+                                                                 if what == "device memory" else ""))
         return worst
+
+
+def step_buffers_note(buffers: float, need: float) -> str:
+    """When most of a device need is a step's buffers, say so and what shrinks them (more ranks
+    make them larger; other tiers and precisions leave them as they are)."""
+    if buffers <= need / 2:
+        return ""
+    return (f" ({format_bytes(buffers)} of it a step's ids and pooled outputs, which grow with the batch size per "
+            "rank and the number of ranks: lower --batch-size)")
 
 
 @dataclass(frozen=True)

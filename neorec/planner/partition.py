@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, format_bytes
+from neorec.planner.enumerate import Capacity, InfeasiblePlanError, ShardOption, format_bytes, step_buffers_note
 from neorec.planner.topology import Topology
 
 EPS = 1e-12
@@ -207,37 +207,42 @@ def _tightest(state: _State, options: List[ShardOption]) -> str:
     return best[1] if best else "none found"
 
 
-def _total_memory(options: Dict[str, List[ShardOption]], world: int, capacity: Capacity) -> Tuple[float, str]:
-    """(the largest ratio of need to room, its sentence) over "all tiers" and each tier alone:
+def _total_memory(options: Dict[str, List[ShardOption]], world: int, capacity: Capacity) -> Tuple[float, str, bool]:
+    """(the largest ratio of need to room, its sentence, whether a step's buffers are most of that
+    need) over "all tiers" and each tier alone:
     what every table takes at least (its smallest option: all pieces, buffers included) against
     what all ranks hold. Above 1 no plan exists; below, packing may still fail near 1."""
     def footprint(o: ShardOption, tier: Optional[str]) -> float:
         m = o.memory
         return (m.device + m.host + m.ssd if tier is None else getattr(m, tier)) * o.num_pieces
 
-    worst: Tuple[float, str] = (0.0, "")
+    worst: Tuple[float, str, bool] = (0.0, "", False)
     for tier, what, room in (("device", "device memory", capacity.device), ("host", "host DRAM", capacity.host),
                              ("ssd", "SSD", capacity.ssd),  # (a tier alone wins a tie: it says more)
                              (None, "memory of all tiers", capacity.device + capacity.host + capacity.ssd)):
-        least = {name: min(footprint(o, tier) for o in opts) for name, opts in options.items()}
+        smallest = {name: min(opts, key=lambda o: footprint(o, tier)) for name, opts in options.items()}
+        least = {name: footprint(o, tier) for name, o in smallest.items()}
         need = sum(least.values())
         if need <= 0:
             continue
         ratio = need / (room * world) if room > 0 else float("inf")
         if ratio > worst[0]:
             largest = sorted(least, key=lambda n: -least[n])[:3]
+            buffers = sum(o.memory.step_buffers * o.num_pieces for o in smallest.values())
+            note = step_buffers_note(buffers, need) if tier in ("device", None) else ""
             worst = (ratio, f"the tables need at least {format_bytes(need)} of {what} in all (each at its smallest "
-                            f"option; the largest: {', '.join(repr(n) for n in largest)}), and the {world} ranks hold "
-                            f"{format_bytes(room * world)} ({ratio * 100:.0f}%)")
+                            f"option; the largest: {', '.join(repr(n) for n in largest)}){note}, and the {world} ranks "
+                            f"hold {format_bytes(room * world)} ({ratio * 100:.0f}%)", bool(note))
     return worst
 
 
 def _check_total_memory(options: Dict[str, List[ShardOption]], world: int, capacity: Capacity) -> None:
     """Raise ``InfeasiblePlanError`` when the tables cannot fit in all ranks' memory together,
     saying by how much (the packings' own failure named one table and its nearest miss)."""
-    ratio, sentence = _total_memory(options, world, capacity)
+    ratio, sentence, buffers = _total_memory(options, world, capacity)
     if ratio > 1 + 1e-9:
-        raise InfeasiblePlanError(f"no plan fits: {sentence}: add nodes, or allow another tier or a lower precision")
+        advice = "" if buffers else ": add nodes, or allow another tier or a lower precision"
+        raise InfeasiblePlanError(f"no plan fits: {sentence}{advice}")
 
 
 def partition(options: Dict[str, List[ShardOption]], topo: Topology, capacity: Capacity,

@@ -161,6 +161,17 @@ def test_plan_file_keeps_the_tier_that_training_places(tmp_path, capsys):
         plan.validate(tables, 2, tiers=("device",))
 
 
+def test_a_plan_of_one_rank_says_that_training_takes_none(tmp_path, capsys):
+    """It was written without a word, and neorec train --plan refused it ("--plan needs several
+    processes")."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--tables", _spec_file(tmp_path), "--topology", _topology_file(tmp_path, ranks_per_node=1),
+                 "--time-limit", "0", "--out", str(out)]) == 0
+    assert "note: neorec train takes no plan on one process (--plan needs --nproc 2 or more, or torchrun)" \
+        in capsys.readouterr().out
+    assert ShardingPlan.load(out).world_size == 1
+
+
 def tiny_planning_inputs(tmp_path, rows, batch_size, device_memory, host_dram, ssd):
     """tables.json (t_feature_i of ``rows``, dim 8, pooling 2) and topology.json (1 node of 2 CPU
     ranks) for `neorec plan`."""

@@ -6,6 +6,7 @@ bound is a bound, hierarchical plans are found, infeasible input names the table
 
 import itertools
 import math
+import re
 
 import pytest
 
@@ -16,7 +17,7 @@ from neorec.planner.names import TIERS
 from neorec.planner.partition import lower_bound
 from neorec.planner.planner import plan_tables
 from neorec.planner.presets import get_model_preset
-from neorec.planner.topology import zionex
+from neorec.planner.topology import Topology, zionex
 from neorec.sharding.plan import ShardingType
 
 from planner_helpers import random_tables, table_configs, toy_topology
@@ -406,3 +407,25 @@ def test_tables_that_are_not_table_specs_are_named_with_how_to_make_them():
     with pytest.raises(TypeError, match=r"tables must be TableSpec\(name, num_rows, dim, pooling=ids per sample\), got "
                                         r"a TableConfig; for an embedding TableConfig t: TableSpec\(t.name"):
         plan_tables([TableConfig("t", 100, 8)], zionex(1), PlanSettings(batch_size=64))
+
+
+def test_a_need_that_is_mostly_a_steps_buffers_says_so_and_not_to_add_nodes():
+    """24 tables of 100 rows, pooling 50, batch 4096: the need is the double-buffered ids and pooled
+    outputs, which grow with the ranks; the message said to add nodes (229% at every size) and
+    named only the tables' parameters."""
+    tables = [TableSpec(f"t{i}", 100, 64, 50.0, sharding_types=("table_wise", "row_wise", "column_wise"))
+              for i in range(24)]
+    for nodes in (1, 2):
+        topo = Topology("small-gpus", nodes, 2, 64 * 2**20, 1e11, 1e10, 2e10, 0, 0, 1e11, 1e10, 1e13, 2e-5)
+        with pytest.raises(InfeasiblePlanError) as error:
+            plan_tables(tables, topo, PlanSettings(batch_size=4096), time_limit=0.1)
+        message = str(error.value)
+        assert re.search(r"no plan fits: the tables need at least [\d.]+ MiB of device memory in all .*\(([\d.]+) MiB "
+                         r"of it a step's ids and pooled outputs, which grow with the batch size per rank and the "
+                         r"number of ranks: lower --batch-size\), and the \d ranks hold", message), message
+        assert "add nodes" not in message
+    table = TableSpec("one", 100, 64, 50.0, sharding_types=("table_wise",))
+    with pytest.raises(InfeasiblePlanError, match=r"table 'one' .* fits no rank .*device memory: needs [\d.]+ MiB per "
+                                                  r"rank, a rank has [\d.]+ [KM]iB \([\d.]+ MiB of it a step's ids"):
+        plan_tables([table], Topology("g", 1, 2, 2**20, 1e11, 0, 2e10, 0, 0, 1e11, 1e10, 1e13, 2e-5),
+                    PlanSettings(batch_size=4096), time_limit=0.1)
