@@ -194,7 +194,7 @@ class DotInteraction(InteractionArch):
         if native_interaction_supported(dense, sparse):
             reason = native_available()
         else:
-            reason = f"the native interaction takes fp32 CPU tensors of dims up to {MAX_NATIVE_DIM}"
+            reason = f"the native interaction takes fp32 CPU tensors of dims 1 to {MAX_NATIVE_DIM}"
         if self.kernel == "native" and reason is not None:
             raise ValueError(f"DotInteraction: kernel='native' was asked for but {reason}")
         return reason is None

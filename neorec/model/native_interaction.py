@@ -31,10 +31,11 @@ MIN_SAMPLES_PER_THREAD = 128
 
 
 def native_interaction_supported(dense: torch.Tensor, sparse: Union[torch.Tensor, ColumnBlocks]) -> bool:
-    """CPU fp32 operands of a dim up to ``MAX_NATIVE_DIM`` (the backward keeps a [dim] row on the
-    stack: a wider one overflowed it)."""
+    """CPU fp32 operands of a dim from 1 up to ``MAX_NATIVE_DIM`` (the backward keeps a [dim] row on
+    the stack: a wider one overflowed it; a dim of 0 handed the kernel empty tensors' NULL data to
+    memcpy, undefined behaviour in C even for 0 bytes)."""
     tensors = [dense] + ([sparse.flat, *sparse.extras] if isinstance(sparse, ColumnBlocks) else [sparse])
-    return dense.shape[-1] <= MAX_NATIVE_DIM and all(t.device.type == "cpu" and t.dtype == torch.float32
+    return 0 < dense.shape[-1] <= MAX_NATIVE_DIM and all(t.device.type == "cpu" and t.dtype == torch.float32
                                                       for t in tensors)
 
 

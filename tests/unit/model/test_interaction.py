@@ -183,6 +183,11 @@ def test_dot_kernel_choice():
         DotInteraction(3, embedding_dim=4, kernel="native")(dense64, sparse64)
     with pytest.raises(ValueError, match="kernel must be one of"):
         DotInteraction(3, kernel="c")
+    # dim 0: the torch path (the kernel's memcpy of an empty tensor's NULL data is undefined behaviour)
+    assert torch.equal(DotInteraction(2)(torch.randn(3, 0), torch.randn(3, 2, 0)), torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="kernel='native' was asked for but the native interaction takes fp32 CPU "
+                                         "tensors of dims 1 to"):
+        DotInteraction(2, kernel="native")(torch.randn(3, 0), torch.randn(3, 2, 0))
 
 
 def test_dot_index_buffer_moves_with_module_but_is_not_checkpointed():
