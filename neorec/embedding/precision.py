@@ -32,10 +32,11 @@ def storage_dtype(precision: str) -> torch.dtype:
 def first_overflow(values: torch.Tensor, rounded: torch.Tensor) -> Optional[int]:
     """Flat index of the first finite value of ``values`` that ``rounded`` (its copy in a narrower
     type) holds as inf, None when there is none: a value beyond fp16's range became inf without a
-    word when fp32 rows were copied into fp16 storage."""
+    word when fp32 rows were copied into fp16 storage). ``values`` may lie on another device (a
+    resume hands host rows to a GPU's tables)."""
     if rounded.dtype not in (torch.float16, torch.bfloat16):
         return None
-    overflow = torch.isinf(rounded) & torch.isfinite(values)
+    overflow = torch.isinf(rounded) & torch.isfinite(values).to(rounded.device)
     return int(overflow.reshape(-1).to(torch.uint8).argmax()) if bool(overflow.any()) else None
 
 

@@ -343,7 +343,7 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     import shutil
 
     from neorec.planner.cost_model import PlanSettings, TableSpec
-    from neorec.planner.enumerate import InfeasiblePlanError, format_bytes
+    from neorec.planner.enumerate import STEP_BUFFERS, InfeasiblePlanError, format_bytes
     from neorec.planner.planner import plan_tables
     from neorec.sharding.plan import CACHED_TIERS
     from neorec.train.build import ssd_dir_of
@@ -379,6 +379,9 @@ def plan_for_training(cfg, source, world_size: int, ranks_per_node: int):
     try:
         result = plan_tables(tables, topo, settings, time_limit=float("inf"), max_rounds=200)
     except InfeasiblePlanError as exc:
+        if STEP_BUFFERS in str(exc):  # (other tiers would not help: they are the step's buffers)
+            raise InfeasiblePlanError(f"{exc}. --plan auto plans with data.batch_size = {cfg.data.batch_size} per "
+                                      "rank: lower it (--set data.batch_size=N)") from None
         raise InfeasiblePlanError(
             f"{exc}. --plan auto plans each table where [embedding.location] puts it, on topology {topo.name!r} "
             f"({format_bytes(topo.device_memory_bytes)} of device memory per rank for tables); put large tables "

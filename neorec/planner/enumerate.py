@@ -70,13 +70,16 @@ class Capacity:
         return worst
 
 
+STEP_BUFFERS = "a step's ids and pooled outputs"
+
+
 def step_buffers_note(buffers: float, need: float) -> str:
     """When most of a device need is a step's buffers, say so and what shrinks them (more ranks
     make them larger; other tiers and precisions leave them as they are)."""
     if buffers <= need / 2:
         return ""
-    return (f" ({format_bytes(buffers)} of it a step's ids and pooled outputs, which grow with the batch size per "
-            "rank and the number of ranks: lower --batch-size)")
+    return (f" ({format_bytes(buffers)} of it {STEP_BUFFERS}, which grow with the batch size per rank and the "
+            "number of ranks: lower the batch size)")
 
 
 @dataclass(frozen=True)

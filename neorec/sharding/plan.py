@@ -276,22 +276,24 @@ class ShardingPlan:
                 out.setdefault(entry.precision, []).append(name)
         return out
 
-    def gpu_training_problem(self) -> Optional[str]:
-        """Why training refuses this plan on GPUs, or None: a rank whose every piece is planned in
-        "dram" (host memory) and that holds no replica would have a fused module on its GPU with no
-        table (each such rank failed after launch)."""
+    def gpu_training_problem(self, kinds: Optional[Mapping[str, str]] = None) -> Optional[str]:
+        """Why training refuses this plan on GPUs, or None: a rank whose every piece is in "dram"
+        (host memory) and that holds no replica would have a fused module on its GPU with no table
+        (each such rank failed after launch). ``kinds``: where each table goes in training (the
+        plan's tier, or the config's location where the plan says "device"); default the tiers."""
         if any(e.sharding_type == ShardingType.DATA_PARALLEL for e in self.tables.values()):
             return None  # (every rank holds the replicas on its device)
         tiers: Dict[int, set] = {}
-        for entry in self.tables.values():
+        for name, entry in self.tables.items():
             for shard in entry.shards:
-                tiers.setdefault(shard.rank, set()).add(entry.tier)
+                tiers.setdefault(shard.rank, set()).add(kinds[name] if kinds is not None else entry.tier)
         ranks = sorted(r for r, kinds in tiers.items() if kinds == {"dram"})
         if not ranks:
             return None
         shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
         return (f"rank(s) {shown} hold only \"dram\" (host memory) pieces: their GPU would hold no table; "
-                "plan with a device or cached tier allowed (--tiers device,dram), or cache the tables (cached_dram)")
+                "keep a table on each rank's device (neorec plan --tiers device,dram; embedding.location.tables), "
+                "or cache the tables (cached_dram)")
 
     def training_precision_problem(self) -> Optional[str]:
         """Why no ``embedding.storage.precision`` can train this plan (``check_precision``'s

@@ -43,6 +43,7 @@ from neorec.embedding.cached import CachedEmbeddingBagCollection
 from neorec.embedding.config import SparseOptimizerConfig, StorageConfig, TableConfig
 from neorec.embedding.init_stream import TableInit
 from neorec.embedding.locations import TableLocation
+from neorec.embedding.precision import first_overflow, overflow_message
 from neorec.embedding.tbe import TableBatchedEmbeddingBags
 from neorec.sharding.comm import Awaitable, CommStats, all_reduce_sum_reducer, ready
 from neorec.sharding.input_dist import LocalBatch, input_dist
@@ -316,7 +317,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.cached.init_rows(name, start, rows)
             return
         module = self.cached._module_of(name) if self.cached is not None else self.tbe
-        module.table_view(name)[start : start + rows.shape[0]].copy_(rows)
+        target = module.table_view(name)[start : start + rows.shape[0]]
+        rounded = rows.to(target.device, target.dtype)
+        bad = first_overflow(rows, rounded)
+        if bad is not None:  # (a value beyond fp16's range became inf without a word)
+            raise ValueError(overflow_message(f"table piece {name!r}: its row {start + bad // rows.shape[1]}",
+                                              float(rows.reshape(-1)[bad]), target.dtype))
+        target.copy_(rounded)
 
     @torch.no_grad()
     def full_table_weight(self, name: str) -> torch.Tensor:

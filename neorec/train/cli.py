@@ -191,11 +191,14 @@ def _check_before_launch(cfg, plan, args: argparse.Namespace) -> None:
 
         source = make_data_source(cfg.data)  # (the ranks build it again: small next to their model)
         if isinstance(plan, ShardingPlan):
+            tables = source.tables(cfg.model.embedding_dim, cfg.model.pooling)
             try:
-                plan.validate(source.tables(cfg.model.embedding_dim, cfg.model.pooling), args.nproc, tiers=TIERS)
+                plan.validate(tables, args.nproc, tiers=TIERS)
             except ValueError as exc:
                 raise ValueError(f"{exc} ({args.plan})") from None
-            problem = plan.gpu_training_problem() if _trains_on_cuda(cfg.train.device) else None
+            kinds = {t.name: plan.tables[t.name].tier if plan.tables[t.name].tier != "device"  # (as plan_locations)
+                     else cfg.embedding.location.kind_of(t) for t in tables}
+            problem = plan.gpu_training_problem(kinds) if _trains_on_cuda(cfg.train.device) else None
             if problem is not None:
                 raise ValueError(f"sharding plan {args.plan} on GPUs: {problem}")
         if args.resume:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from neorec.signals import check_terminated, signals_held, terminate_raises
 
@@ -164,6 +164,20 @@ def _say_rank_errors(folder: Path, nproc: int, first: int = 0) -> None:
         print(line.replace("{RANKS}", who), file=sys.stderr, flush=True)
 
 
+def _first_failure(failed: List[Tuple[int, int]], folder: Path) -> Tuple[int, int]:
+    """The (rank, exit code) to name among the ranks seen ended at one poll: one that said an error
+    of its own, else the lowest. A rank whose collective failed because another rank ended exits a
+    few ms after it, mostly seen at the same poll: the lowest was named, with its exit code 1 for
+    the other's 2."""
+    for rank, code in failed:
+        try:
+            if (folder / f"rank{rank}").read_text().strip():
+                return rank, code
+        except OSError:
+            continue
+    return failed[0]
+
+
 def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) -> int:
     processes: List[subprocess.Popen] = []
     errors = Path(tempfile.mkdtemp(prefix="neorec-rank-errors-"))
@@ -182,7 +196,7 @@ def _start_and_watch(nproc: int, argv: Sequence[str], module: str, port: int) ->
             codes = [p.poll() for p in processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                rank, code = failed[0]
+                rank, code = _first_failure(failed, errors)
                 _stop(processes)
                 _say_rank_errors(errors, nproc, first=rank)
                 print(f"neorec: rank {rank} of {nproc} {_how_it_ended(code)}; stopped the other ranks",

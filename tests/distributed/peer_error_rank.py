@@ -1,7 +1,8 @@
 """A stand-in rank program for the launcher test: rank 1 says its own error and exits; rank 0 has
 already said an error of its own and waits to be stopped. PEER_ERROR_MODE "peer": rank 0's error is
 gloo's "Connection closed by peer" (what a collective raises when another rank's process ended);
-"other": an unrelated error of rank 0's."""
+"other": an unrelated error of rank 0's; "race": rank 0's collective fails (peer gone) and it exits
+20 ms after rank 1, as a real gloo rank does (mostly seen ended at the same poll)."""
 
 import os
 import sys
@@ -10,8 +11,13 @@ import time
 from neorec.cli import _say_error, _say_unexpected
 
 if __name__ == "__main__":
+    mode = os.environ["PEER_ERROR_MODE"]
+    if os.environ["RANK"] == "0" and mode == "race":
+        time.sleep(1.02)
+        sys.exit(_say_unexpected("train", " (rank 0)", RuntimeError("[pair.cc:553] Connection closed by peer "
+                                                                    "[127.0.0.1]:29500"), show_traceback=False))
     if os.environ["RANK"] == "0":
-        if os.environ["PEER_ERROR_MODE"] == "peer":
+        if mode == "peer":
             error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                                  "[127.0.0.1]:29500")
             _say_unexpected("train", " (rank 0)", error, show_traceback=False)

@@ -57,3 +57,10 @@ def test_a_state_dict_of_another_plan_is_refused_before_any_row_moves(tmp_path):
         assert result["other"].startswith(f"load_state_dict: the state dict's pieces on rank {rank} hold "), (rank, result)
         assert "saved under another sharding plan" in result["other"], (rank, result)
         assert result["other unchanged"] == "True", (rank, result)
+
+
+def test_load_table_weight_refuses_a_value_beyond_fp16_rather_than_storing_inf(tmp_path):
+    results = run_ranks(workers.load_table_weight_beyond_fp16, 2, tmp_path)
+    assert results[0].startswith("accepted"), results  # rank 0's rows 0-2 hold nothing out of range
+    assert results[1] == ("table piece 't@1': its row 1 holds 100000, beyond the largest fp16 value (65504); "
+                          "refusing to store it as inf (keep this table's rows in fp32)"), results

@@ -268,3 +268,22 @@ def state_dict_across_plans(rank: int, world: int, group) -> Dict[str, str]:
         out["other"] = str(exc)
     out["other unchanged"] = str(all(torch.equal(other.full_table_weight(n), before[n]) for n in ("t", "u")))
     return out
+
+
+def load_table_weight_beyond_fp16(rank: int, world: int, group) -> str:
+    """load_table_weight of a value beyond fp16's range into fp16 rows: stored as inf without a word
+    (set_table_weight refused it)."""
+    from neorec.embedding import SparseOptimizerConfig, StorageConfig, TableConfig
+    from neorec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
+    from neorec.sharding.sharded_collection import ShardedEmbeddingBagCollection
+
+    plan = ShardingPlan({"t": TablePlan(ShardingType.ROW_WISE, [Shard(0, 0, 3, 0, 4), Shard(1, 3, 6, 0, 4)])}, 2)
+    collection = ShardedEmbeddingBagCollection([TableConfig("t", 6, 4, ["f"])], plan, group,
+                                               SparseOptimizerConfig("sgd"), StorageConfig("fp16"))
+    weight = torch.zeros(6, 4)
+    weight[4, 2] = 1e5
+    try:
+        collection.load_table_weight("t", weight)
+        return f"accepted: {collection.tbe.get_table_weight(collection.tbe.tables[0].name).tolist()}"
+    except ValueError as exc:
+        return str(exc)

@@ -116,6 +116,16 @@ def test_plan_auto_plans_each_table_where_the_config_puts_it(monkeypatch, tmp_pa
     with pytest.raises(InfeasiblePlanError, match=r"(does not fit|fits no rank|no plan fits).*--plan auto plans each table where "
                                                   r"\[embedding.location\] puts it.*neorec plan --tiers"):
         plan_for_training(cfg, source, 2, 2)
+    # a need that is mostly the step's buffers (tables too large to replicate): lower the batch;
+    # it said to put tables off the device, which leaves the buffers as they are
+    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 1.2e8)
+    big_batch = load_config(str(TINY), ["data.batch_size=65536", "data.synthetic.num_embeddings=[200000, 200000, "
+                                        "200000, 200000]"])
+    with pytest.raises(InfeasiblePlanError, match=r"a step's ids and pooled outputs.*--plan auto plans with "
+                                                  r"data.batch_size = 65536 per rank: lower it \(--set "
+                                                  r"data.batch_size=N\)$"):
+        plan_for_training(big_batch, make_data_source(big_batch.data), 2, 2)
+    monkeypatch.setattr(calibrate, "host_memory_bytes", lambda: 3e6)
     cfg = load_config(str(TINY), [*base, "embedding.location.default='cached_ssd'", "embedding.location.min_rows=1500",
                                   "embedding.location.tables={ t_feature_1 = 'cached_dram' }"])
     plan = plan_for_training(cfg, source, 2, 2)

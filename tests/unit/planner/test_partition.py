@@ -422,7 +422,7 @@ def test_a_need_that_is_mostly_a_steps_buffers_says_so_and_not_to_add_nodes():
         message = str(error.value)
         assert re.search(r"no plan fits: the tables need at least [\d.]+ MiB of device memory in all .*\(([\d.]+) MiB "
                          r"of it a step's ids and pooled outputs, which grow with the batch size per rank and the "
-                         r"number of ranks: lower --batch-size\), and the \d ranks hold", message), message
+                         r"number of ranks: lower the batch size\), and the \d ranks hold", message), message
         assert "add nodes" not in message
     table = TableSpec("one", 100, 64, 50.0, sharding_types=("table_wise",))
     with pytest.raises(InfeasiblePlanError, match=r"table 'one' .* fits no rank .*device memory: needs [\d.]+ MiB per "

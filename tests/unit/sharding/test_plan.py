@@ -305,5 +305,12 @@ def test_a_plan_with_ranks_of_dram_pieces_only_is_said_unfit_for_gpus(monkeypatc
     monkeypatch.setattr(train_cli, "check_gpus_for_ranks", lambda device, nproc: None)  # (no GPU here)
     with pytest.raises(ValueError, match=r'sharding plan dram.json on GPUs: rank\(s\) 0, 1 hold only "dram"'):
         train_cli._check_before_launch(cfg, dram, args)
+    # a plan of device tiers whose rank 1 holds only tables the config puts in "dram" (the config's
+    # location applies where the plan says "device")
+    on_device = ShardingPlan({name: TablePlan(entry.sharding_type, entry.shards) for name, entry in dram.tables.items()}, 2)
+    assert on_device.gpu_training_problem() is None
+    cfg.embedding.location.tables = {"t_feature_1": "dram", "t_feature_3": "dram"}
+    with pytest.raises(ValueError, match=r'sharding plan dram.json on GPUs: rank\(s\) 1 hold only "dram"'):
+        train_cli._check_before_launch(cfg, on_device, args)
     cfg.train.device = "cpu"
     train_cli._check_before_launch(cfg, dram, args)  # host memory is the device: nothing to refuse
