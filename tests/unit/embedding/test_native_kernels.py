@@ -469,7 +469,7 @@ def test_a_wider_interaction_than_the_native_kernels_take_runs_on_torch_ops():
     products = dense[0].detach().double() * sparse[0, 0].detach().double()
     assert abs(out[0, -1].item() - products.sum().item()) <= 1e-6 * products.abs().sum().item()  # ~0.05
     assert dense.grad is not None
-    with pytest.raises(ValueError, match=f"fp32 CPU tensors of dims up to {MAX_NATIVE_DIM}"):
+    with pytest.raises(ValueError, match=f"fp32 CPU tensors of dims 1 to {MAX_NATIVE_DIM}"):
         DotInteraction(1, embedding_dim=dim, kernel="native")(dense, sparse)
 
 
