@@ -287,7 +287,7 @@ class ShardingPlan:
         for name, entry in self.tables.items():
             for shard in entry.shards:
                 tiers.setdefault(shard.rank, set()).add(kinds[name] if kinds is not None else entry.tier)
-        ranks = sorted(r for r, kinds in tiers.items() if kinds == {"dram"})
+        ranks = sorted(r for r, held in tiers.items() if held == {"dram"})
         if not ranks:
             return None
         shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
