@@ -274,7 +274,7 @@ def _preferred_options_that_fit(result, settings):
 ])
 def test_final_plan_keeps_the_most_preferred_option_memory_allows(seed, num_tables, nodes, per_node, device_gb,
                                                                   host_gb, tiers):
-    """README: each table keeps the most preferred precision, then tier, that memory allows, in
+    """README: each table keeps the most preferred tier, then precision, that memory allows, in
     the final plan (the search after the preference pass can free memory)."""
     tables = random_tables(seed, num_tables)
     settings = PlanSettings(batch_size=16, precisions=("fp32", "fp16"), tiers=tiers)
